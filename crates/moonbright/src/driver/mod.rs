@@ -1,0 +1,459 @@
+//! The driver contract: every call MoonBright makes to a GPU driver goes through [`Driver`].
+//!
+//! Two backends implement it: [`cuda`] (the CUDA virtual-memory API through cudarc, libcuda loaded
+//! at run time) and [`host`] (a faithful CPU model with real bytes, used by CI and by trace replay).
+//! [`Instrumented`] wraps either one to count calls by kind and to fail the Nth call on request.
+
+pub mod cuda;
+pub mod host;
+
+use std::fmt;
+
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::Mutex;
+
+/// A device virtual address (on the host backend, a host address).
+pub type DevicePtr = u64;
+
+/// A physical memory chunk: a `cuMemCreate` handle, or the host backend's equivalent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkHandle(pub u64);
+
+/// A stream (a `CUstream`, or the host backend's id). `StreamHandle::DEFAULT` is the legacy
+/// default stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamHandle(pub u64);
+
+impl StreamHandle {
+    /// The default (null) stream.
+    pub const DEFAULT: StreamHandle = StreamHandle(0);
+}
+
+/// An event (a `CUevent`, or the host backend's id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventHandle(pub u64);
+
+/// Free and total device memory in bytes, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Bytes the device can still give out.
+    pub free: u64,
+    /// Bytes of device memory in all.
+    pub total: u64,
+}
+
+/// The kinds of driver call, for counters and fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum CallKind {
+    /// `cuMemGetInfo`.
+    MemInfo,
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    FreeReservation,
+    /// `cuMemCreate`.
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuMemcpyHtoD` / `cuMemcpyDtoH` (tests and tools only).
+    Copy,
+    /// `cuStreamCreate`.
+    StreamCreate,
+    /// `cuStreamDestroy`.
+    StreamDestroy,
+    /// `cuEventCreate`.
+    EventCreate,
+    /// `cuEventRecord`.
+    EventRecord,
+    /// `cuEventQuery`.
+    EventQuery,
+    /// `cuEventDestroy`.
+    EventDestroy,
+}
+
+impl CallKind {
+    /// Every kind, in counter order.
+    pub const ALL: [CallKind; 15] = [
+        CallKind::MemInfo,
+        CallKind::Reserve,
+        CallKind::FreeReservation,
+        CallKind::Create,
+        CallKind::Release,
+        CallKind::Map,
+        CallKind::SetAccess,
+        CallKind::Unmap,
+        CallKind::Copy,
+        CallKind::StreamCreate,
+        CallKind::StreamDestroy,
+        CallKind::EventCreate,
+        CallKind::EventRecord,
+        CallKind::EventQuery,
+        CallKind::EventDestroy,
+    ];
+
+    /// The driver function this kind stands for.
+    pub fn driver_name(self) -> &'static str {
+        match self {
+            CallKind::MemInfo => "cuMemGetInfo",
+            CallKind::Reserve => "cuMemAddressReserve",
+            CallKind::FreeReservation => "cuMemAddressFree",
+            CallKind::Create => "cuMemCreate",
+            CallKind::Release => "cuMemRelease",
+            CallKind::Map => "cuMemMap",
+            CallKind::SetAccess => "cuMemSetAccess",
+            CallKind::Unmap => "cuMemUnmap",
+            CallKind::Copy => "cuMemcpy",
+            CallKind::StreamCreate => "cuStreamCreate",
+            CallKind::StreamDestroy => "cuStreamDestroy",
+            CallKind::EventCreate => "cuEventCreate",
+            CallKind::EventRecord => "cuEventRecord",
+            CallKind::EventQuery => "cuEventQuery",
+            CallKind::EventDestroy => "cuEventDestroy",
+        }
+    }
+
+    /// A short snake_case name, used as a statistics key.
+    pub fn key(self) -> &'static str {
+        match self {
+            CallKind::MemInfo => "mem_info",
+            CallKind::Reserve => "reserve",
+            CallKind::FreeReservation => "free_reservation",
+            CallKind::Create => "create",
+            CallKind::Release => "release",
+            CallKind::Map => "map",
+            CallKind::SetAccess => "set_access",
+            CallKind::Unmap => "unmap",
+            CallKind::Copy => "copy",
+            CallKind::StreamCreate => "stream_create",
+            CallKind::StreamDestroy => "stream_destroy",
+            CallKind::EventCreate => "event_create",
+            CallKind::EventRecord => "event_record",
+            CallKind::EventQuery => "event_query",
+            CallKind::EventDestroy => "event_destroy",
+        }
+    }
+}
+
+impl fmt::Display for CallKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.driver_name())
+    }
+}
+
+/// `CUresult` values the core looks at; other codes pass through as they are.
+pub mod code {
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    pub const INVALID_VALUE: i32 = 1;
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const OUT_OF_MEMORY: i32 = 2;
+    /// `CUDA_ERROR_NOT_INITIALIZED`.
+    pub const NOT_INITIALIZED: i32 = 3;
+    /// `CUDA_ERROR_NO_DEVICE`.
+    pub const NO_DEVICE: i32 = 100;
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub const INVALID_HANDLE: i32 = 400;
+    /// `CUDA_ERROR_NOT_READY`.
+    pub const NOT_READY: i32 = 600;
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const NOT_SUPPORTED: i32 = 801;
+    /// `CUDA_ERROR_UNKNOWN`: what an injected failure reports.
+    pub const UNKNOWN: i32 = 999;
+}
+
+/// A failed driver call: which call, the driver's status code, and what went wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{call} failed (code {code}): {message}")]
+pub struct DriverError {
+    /// The call that failed.
+    pub call: CallKind,
+    /// The `CUresult` (the host backend uses the same codes).
+    pub code: i32,
+    /// A readable reason.
+    pub message: String,
+}
+
+impl DriverError {
+    /// A new error.
+    pub fn new(call: CallKind, code: i32, message: impl Into<String>) -> Self {
+        DriverError { call, code, message: message.into() }
+    }
+
+    /// Whether the driver ran out of physical memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == code::OUT_OF_MEMORY
+    }
+}
+
+/// Result of a driver call.
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// The narrow contract between MoonBright and a GPU driver.
+///
+/// Rules every backend enforces (those of the CUDA virtual-memory API): sizes and addresses are
+/// multiples of [`Driver::granularity`]; a chunk is mapped whole (offset 0) and only onto addresses
+/// inside a reservation that nothing maps yet; an unmap covers whole mappings (it may span several);
+/// memory is readable and writable only after `set_access`; a chunk may be mapped at several
+/// addresses at once, and releasing a mapped chunk frees its memory only once its last mapping goes.
+/// No call waits for work running on the device.
+pub trait Driver: Send + Sync + fmt::Debug {
+    /// `"cuda"` or `"host"`.
+    fn name(&self) -> &'static str;
+    /// The mapping granularity in bytes (2 MiB on an H200).
+    fn granularity(&self) -> usize;
+    /// Free and total device memory.
+    fn mem_info(&self) -> DriverResult<MemInfo>;
+    /// Reserves `size` bytes of virtual addresses aligned to `alignment` (0: granularity).
+    fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr>;
+    /// Gives back a whole reservation; nothing in it may still be mapped.
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()>;
+    /// Creates a physical chunk of `size` bytes, a multiple of the granularity.
+    fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle>;
+    /// Releases a chunk; its memory is freed once it is mapped nowhere.
+    fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()>;
+    /// Maps the whole of `handle` (of `size` bytes) at `va`.
+    fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()>;
+    /// Makes `[va, va + size)`, which must be mapped, readable and writable by the device.
+    fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()>;
+    /// Unmaps `[va, va + size)`, which must consist of whole mappings.
+    fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()>;
+    /// Copies host bytes to accessible device memory (synchronous; for tests and tools).
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()>;
+    /// Copies accessible device memory to host bytes (synchronous; for tests and tools).
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()>;
+    /// Creates a non-blocking stream.
+    fn create_stream(&self) -> DriverResult<StreamHandle>;
+    /// Destroys a stream.
+    fn destroy_stream(&self, stream: StreamHandle) -> DriverResult<()>;
+    /// Creates an event without timing.
+    fn create_event(&self) -> DriverResult<EventHandle>;
+    /// Records `event` on `stream`.
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()>;
+    /// Whether all work captured by the event's last record has completed.
+    fn event_done(&self, event: EventHandle) -> DriverResult<bool>;
+    /// Destroys an event.
+    fn destroy_event(&self, event: EventHandle) -> DriverResult<()>;
+}
+
+/// Counts of driver calls by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts(pub [u64; CallKind::ALL.len()]);
+
+impl CallCounts {
+    /// Calls of one kind.
+    pub fn get(&self, kind: CallKind) -> u64 {
+        self.0[kind as usize]
+    }
+
+    /// All calls.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// `(kind, count)` for every kind.
+    pub fn iter(&self) -> impl Iterator<Item = (CallKind, u64)> + '_ {
+        CallKind::ALL.iter().map(move |&k| (k, self.get(k)))
+    }
+
+    /// Counts since `earlier`.
+    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
+        let mut out = CallCounts::default();
+        for k in CallKind::ALL {
+            out.0[k as usize] = self.get(k) - earlier.get(k);
+        }
+        out
+    }
+}
+
+/// A planned failure: the `nth` next call of `kind` (1 = the very next) fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PlannedFailure {
+    kind: CallKind,
+    remaining: u64,
+    code: i32,
+}
+
+/// Wraps a backend: counts every call by kind and fails planned calls.
+///
+/// Counting is lock-free (one atomic per kind). Planned failures sit behind a mutex that is taken
+/// only while at least one failure is planned, so the common path pays one atomic load.
+#[derive(Debug)]
+pub struct Instrumented<D> {
+    inner: D,
+    counts: [AtomicU64; CallKind::ALL.len()],
+    armed: AtomicU64,
+    plans: Mutex<Vec<PlannedFailure>>,
+}
+
+impl<D: Driver> Instrumented<D> {
+    /// Wraps `inner`.
+    pub fn new(inner: D) -> Self {
+        Instrumented {
+            inner,
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            armed: AtomicU64::new(0),
+            plans: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// Calls made so far, by kind.
+    pub fn counts(&self) -> CallCounts {
+        let mut out = CallCounts::default();
+        for k in CallKind::ALL {
+            out.0[k as usize] = self.counts[k as usize].load(Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Makes the `nth` next call of `kind` (1 = the next one) fail with `CUDA_ERROR_UNKNOWN`,
+    /// or with `error_code` when given (for example `code::OUT_OF_MEMORY`).
+    pub fn fail_nth(&self, kind: CallKind, nth: u64, error_code: Option<i32>) {
+        assert!(nth >= 1, "fail_nth counts from 1");
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans.push(PlannedFailure { kind, remaining: nth, code: error_code.unwrap_or(code::UNKNOWN) });
+        self.armed.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Forgets every planned failure that has not fired.
+    pub fn clear_failures(&self) {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let n = plans.len() as u64;
+        plans.clear();
+        self.armed.fetch_sub(n, Ordering::SeqCst);
+    }
+
+    /// Counts the call and decides whether it is one planned to fail.
+    fn enter(&self, kind: CallKind) -> DriverResult<()> {
+        self.counts[kind as usize].fetch_add(1, Ordering::Relaxed);
+        if self.armed.load(Ordering::SeqCst) == 0 {
+            return Ok(());
+        }
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let mut fired = None;
+        for (i, plan) in plans.iter_mut().enumerate() {
+            if plan.kind == kind {
+                plan.remaining -= 1;
+                if plan.remaining == 0 && fired.is_none() {
+                    fired = Some(i);
+                }
+            }
+        }
+        match fired {
+            Some(i) => {
+                let plan = plans.remove(i);
+                self.armed.fetch_sub(1, Ordering::SeqCst);
+                Err(DriverError::new(kind, plan.code, "injected failure"))
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl<D: Driver> Driver for Instrumented<D> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.enter(CallKind::MemInfo)?;
+        self.inner.mem_info()
+    }
+    fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
+        self.enter(CallKind::Reserve)?;
+        self.inner.reserve(size, alignment)
+    }
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
+        self.enter(CallKind::FreeReservation)?;
+        self.inner.free_reservation(base, size)
+    }
+    fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
+        self.enter(CallKind::Create)?;
+        self.inner.create_chunk(size)
+    }
+    fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
+        self.enter(CallKind::Release)?;
+        self.inner.release_chunk(handle)
+    }
+    fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
+        self.enter(CallKind::Map)?;
+        self.inner.map(va, size, handle)
+    }
+    fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.enter(CallKind::SetAccess)?;
+        self.inner.set_access(va, size)
+    }
+    fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.enter(CallKind::Unmap)?;
+        self.inner.unmap(va, size)
+    }
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
+        self.enter(CallKind::Copy)?;
+        self.inner.write(dst, src)
+    }
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()> {
+        self.enter(CallKind::Copy)?;
+        self.inner.read(src, dst)
+    }
+    fn create_stream(&self) -> DriverResult<StreamHandle> {
+        self.enter(CallKind::StreamCreate)?;
+        self.inner.create_stream()
+    }
+    fn destroy_stream(&self, stream: StreamHandle) -> DriverResult<()> {
+        self.enter(CallKind::StreamDestroy)?;
+        self.inner.destroy_stream(stream)
+    }
+    fn create_event(&self) -> DriverResult<EventHandle> {
+        self.enter(CallKind::EventCreate)?;
+        self.inner.create_event()
+    }
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
+        self.enter(CallKind::EventRecord)?;
+        self.inner.record_event(event, stream)
+    }
+    fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
+        self.enter(CallKind::EventQuery)?;
+        self.inner.event_done(event)
+    }
+    fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
+        self.enter(CallKind::EventDestroy)?;
+        self.inner.destroy_event(event)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn call_counts_since_subtracts_per_kind() {
+        let mut a = CallCounts::default();
+        a.0[CallKind::Map as usize] = 5;
+        let mut b = a;
+        b.0[CallKind::Map as usize] = 8;
+        b.0[CallKind::Unmap as usize] = 2;
+        let d = b.since(&a);
+        assert_eq!(d.get(CallKind::Map), 3);
+        assert_eq!(d.get(CallKind::Unmap), 2);
+        assert_eq!(d.total(), 5);
+    }
+
+    #[test]
+    fn call_kind_order_matches_discriminants() {
+        for (i, k) in CallKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i);
+        }
+    }
+}
