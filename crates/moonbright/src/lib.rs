@@ -1,8 +1,29 @@
 //! MoonBright: a GPU memory allocator on the CUDA virtual-memory API.
 //!
 //! Physical memory is a pool of chunks; every allocation of a page or more is stitched from any
-//! free chunks into one contiguous range at a fresh virtual address; freed ranges are retired and
-//! unmapped later in batches. Smaller allocations are carved from pages. See `docs/design.md`.
+//! free chunks into one contiguous range at a fresh virtual address; freed ranges stay mapped for
+//! reuse as they are until their pages are needed elsewhere, then are retired and unmapped later
+//! in batches. Smaller allocations are carved from pages. See `docs/design.md`.
+//!
+//! ```no_run
+//! use moonbright::{Allocator, Options};
+//! let alloc = Allocator::new(Options::default())?;
+//! let p = alloc.malloc(3 << 20)?;
+//! alloc.free(p)?;
+//! # Ok::<(), moonbright::Error>(())
+//! ```
 
+mod allocator;
+pub mod baseline;
+pub mod config;
+pub mod core;
 pub mod driver;
+mod error;
+pub mod scenario;
 pub(crate) mod sync;
+
+pub use allocator::{Allocator, Backend};
+pub use config::{BackendKind, Options};
+pub use core::stats::{Stat, Stats};
+pub use driver::{CallKind, DevicePtr, DriverError};
+pub use error::{Error, Result};

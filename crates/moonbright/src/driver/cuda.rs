@@ -1,2 +1,776 @@
-//! The CUDA backend: the virtual-memory API through cudarc's `sys` layer, libcuda loaded at run time.
-//! (Being written.)
+//! The CUDA backend: [`CudaDriver`] implements [`Driver`] on the CUDA virtual-memory API through
+//! cudarc's `sys` layer (libcuda loaded at run time). It owns the device's primary context, the
+//! per-thread "make it current" cache, and the conversion of every `CUresult` into a [`DriverError`].
+
+use std::cell::Cell;
+use std::ffi::{c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+// Not `crate::sync`: a process-wide id counter in a `static` (loom's atomics are not const), and
+// nothing loom needs to model.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys;
+
+use super::{
+    code, CallKind, ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle,
+    MemInfo, StreamHandle,
+};
+
+/// `CUDA_ERROR_INVALID_DEVICE`, for an ordinal outside `0..device_count`.
+const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
+
+/// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
+/// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
+/// missing symbol) in the middle of a later call.
+const REQUIRED_SYMBOLS: [&str; 25] = [
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuMemGetAllocationGranularity",
+    "cuMemGetInfo_v2",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+];
+
+/// Gives each [`CudaDriver`] a distinct id for the per-thread current-context cache. An id, not
+/// the `CUcontext` pointer, is cached: a primary context released to zero and retained again
+/// keeps its pointer, and a thread that cached the pointer would skip the `cuCtxSetCurrent` the
+/// fresh driver needs.
+static NEXT_DRIVER_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// The id of the driver whose context this thread last made current (0: none).
+    static CURRENT_DRIVER: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The name and description of a `CUresult`, from `cuGetErrorName` / `cuGetErrorString`.
+fn describe(result: sys::CUresult) -> String {
+    let lookup = |f: unsafe fn(sys::CUresult, *mut *const std::ffi::c_char) -> sys::CUresult| {
+        let mut s: *const std::ffi::c_char = ptr::null();
+        // SAFETY: `s` is a valid out-pointer; on success the driver points it at a static,
+        // NUL-terminated string that lives as long as the library stays loaded (for good: cudarc
+        // never unloads it).
+        unsafe {
+            if f(result, &mut s) == sys::CUresult::CUDA_SUCCESS && !s.is_null() {
+                Some(CStr::from_ptr(s).to_string_lossy().into_owned())
+            } else {
+                None
+            }
+        }
+    };
+    let name = lookup(sys::cuGetErrorName).unwrap_or_else(|| format!("{result:?}"));
+    match lookup(sys::cuGetErrorString) {
+        Some(text) => format!("{name} ({text})"),
+        None => name,
+    }
+}
+
+/// The one conversion from `CUresult` to [`DriverResult`]: success is `Ok`, anything else a
+/// [`DriverError`] of `kind` carrying the code and `"<call>(<args>) -> <NAME> (<description>)"`.
+/// `call` is formatted only on failure.
+fn check(kind: CallKind, result: sys::CUresult, call: impl FnOnce() -> String) -> DriverResult<()> {
+    if result == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    if matches!(
+        result,
+        sys::CUresult::CUDA_ERROR_INVALID_CONTEXT | sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED
+    ) {
+        // Someone changed this thread's current context behind our back: forget the cache so the
+        // next call makes ours current again.
+        let _ = CURRENT_DRIVER.try_with(|c| c.set(0));
+    }
+    Err(DriverError::new(
+        kind,
+        result as i32,
+        format!("{} -> {}", call(), describe(result)),
+    ))
+}
+
+/// Whether a usable CUDA driver and at least one device are present: the device count, or why
+/// not. Never panics.
+pub fn probe() -> Result<i32, String> {
+    let outcome = catch_unwind(|| {
+        // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(no_libcuda());
+        }
+        // SAFETY: cuInit takes flags by value; the library is present (checked above).
+        check(CallKind::MemInfo, unsafe { sys::cuInit(0) }, || {
+            "cuInit(0)".into()
+        })
+        .map_err(|e| e.message)?;
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer; cuInit has succeeded.
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        check(CallKind::MemInfo, r, || "cuDeviceGetCount()".into()).map_err(|e| e.message)?;
+        if count < 1 {
+            return Err("libcuda loaded but it reports no CUDA device".into());
+        }
+        Ok(count)
+    });
+    outcome.unwrap_or_else(|p| Err(format!("probing libcuda panicked: {}", panic_text(&p))))
+}
+
+/// The message for "there is no libcuda to load".
+fn no_libcuda() -> String {
+    let mut names = cudarc::get_lib_name_candidates("cuda");
+    names.sort();
+    names.dedup();
+    format!(
+        "libcuda not found (no NVIDIA driver installed, or not on the loader path); tried {}",
+        names.join(", ")
+    )
+}
+
+/// The text of a caught panic payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}
+
+/// The primary context of a device.
+#[derive(Clone, Copy, Debug)]
+struct PrimaryContext(sys::CUcontext);
+
+// SAFETY: a `CUcontext` is an opaque handle the driver accepts from any thread; a primary context
+// in particular may be made current on, and used from, any number of threads at once (that is
+// what the runtime API does with it). We never dereference the pointer, and the retain/release
+// pair in `CudaDriver::new`/`Drop` keeps it alive while the handle exists.
+unsafe impl Send for PrimaryContext {}
+// SAFETY: as for `Send`: shared use from several threads is what the driver API supports for a
+// primary context; the wrapper exposes nothing but the handle's value.
+unsafe impl Sync for PrimaryContext {}
+
+/// The CUDA backend for one device: its primary context (retained for the driver's life) and the
+/// physical-memory granularity of device-pinned allocations.
+#[derive(Debug)]
+pub struct CudaDriver {
+    ordinal: i32,
+    cu_device: sys::CUdevice,
+    ctx: PrimaryContext,
+    granularity: usize,
+    /// This driver's key in the per-thread current-context cache.
+    id: u64,
+}
+
+// Every method is usable from any thread (the primary context is made current on demand).
+const _: fn() = || {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<CudaDriver>();
+};
+
+impl CudaDriver {
+    /// Opens device `device_ordinal`: `cuInit(0)`, `cuDeviceGet`, `cuDevicePrimaryCtxRetain`, and
+    /// the minimum mapping granularity of device-pinned memory. Fails (never panics) when libcuda
+    /// is missing or too old, there is no device, or the ordinal is out of range. Errors raised
+    /// before any memory call carry [`CallKind::MemInfo`] (the contract has no set-up kind).
+    pub fn new(device_ordinal: i32) -> DriverResult<Self> {
+        let setup = |code: i32, message: String| DriverError::new(CallKind::MemInfo, code, message);
+        // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again. It
+        // runs before any other cudarc call, each of which would panic without the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(setup(code::NOT_INITIALIZED, no_libcuda()));
+        }
+        match catch_unwind(AssertUnwindSafe(|| Self::open(device_ordinal))) {
+            Ok(result) => result,
+            Err(p) => Err(setup(
+                code::NOT_INITIALIZED,
+                format!(
+                    "opening CUDA device {device_ordinal} panicked: {}",
+                    panic_text(&p)
+                ),
+            )),
+        }
+    }
+
+    /// The body of [`CudaDriver::new`], once libcuda is known to load.
+    fn open(ordinal: i32) -> DriverResult<Self> {
+        let kind = CallKind::MemInfo;
+        let missing: Vec<&str> = REQUIRED_SYMBOLS
+            .iter()
+            .copied()
+            .filter(|name| {
+                // SAFETY: the library is present (checked by the caller), so `culib` returns it;
+                // `get` only looks the name up (dlsym) and the symbol is dropped unused.
+                let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+                found.is_err()
+            })
+            .collect();
+        if !missing.is_empty() {
+            return Err(DriverError::new(
+                kind,
+                code::NOT_SUPPORTED,
+                format!("libcuda lacks {missing:?}: the NVIDIA driver is too old (CUDA 12.2 or later needed)"),
+            ));
+        }
+        // SAFETY: every symbol is present (checked above); cuInit takes flags by value.
+        check(kind, unsafe { sys::cuInit(0) }, || "cuInit(0)".into())?;
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer.
+        check(kind, unsafe { sys::cuDeviceGetCount(&mut count) }, || {
+            "cuDeviceGetCount()".into()
+        })?;
+        if count < 1 {
+            return Err(DriverError::new(
+                kind,
+                code::NO_DEVICE,
+                "libcuda loaded but it reports no CUDA device",
+            ));
+        }
+        if !(0..count).contains(&ordinal) {
+            return Err(DriverError::new(
+                kind,
+                INVALID_DEVICE,
+                format!(
+                    "CUDA device ordinal {ordinal} out of range: {count} device(s), 0..{count}"
+                ),
+            ));
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: `device` is a valid out-pointer; the ordinal is in range.
+        let r = unsafe { sys::cuDeviceGet(&mut device, ordinal) };
+        check(kind, r, || format!("cuDeviceGet(ordinal={ordinal})"))?;
+        let mut ctx: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; `device` came from cuDeviceGet.
+        let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) };
+        check(kind, r, || {
+            format!("cuDevicePrimaryCtxRetain(device={device})")
+        })?;
+        // From here on, dropping `driver` releases the retain, on the error paths too.
+        let mut driver = CudaDriver {
+            ordinal,
+            cu_device: device,
+            ctx: PrimaryContext(ctx),
+            granularity: 0,
+            id: NEXT_DRIVER_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        driver.make_current(kind)?;
+        let prop = driver.allocation_prop();
+        let mut granularity = 0usize;
+        // SAFETY: both pointers are valid for the call; `prop` is a fully initialised
+        // CUmemAllocationProp.
+        let r = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        check(kind, r, || {
+            format!("cuMemGetAllocationGranularity(device={ordinal}, MINIMUM)")
+        })?;
+        if !granularity.is_power_of_two() {
+            return Err(DriverError::new(
+                kind,
+                code::NOT_SUPPORTED,
+                format!("cuMemGetAllocationGranularity gave {granularity}, not a power of two"),
+            ));
+        }
+        driver.granularity = granularity;
+        Ok(driver)
+    }
+
+    /// The device ordinal this driver serves.
+    pub fn device(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The device's primary context (retained for as long as this driver lives).
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx.0
+    }
+
+    /// Makes the primary context current on the calling thread, unless this thread's cache says
+    /// it already is. Failures are reported as `kind`, the call that needed the context.
+    ///
+    /// The cache trusts that nobody else changes this thread's current context; if someone does,
+    /// a call may run under their context (the VMM calls name the device explicitly and do not
+    /// care; streams and events would), and an invalid-context error resets the cache.
+    #[inline]
+    fn make_current(&self, kind: CallKind) -> DriverResult<()> {
+        if CURRENT_DRIVER.try_with(Cell::get).ok() == Some(self.id) {
+            return Ok(());
+        }
+        let ctx = self.ctx.0;
+        // SAFETY: `ctx` is the primary context retained by `new` and not yet released.
+        let r = unsafe { sys::cuCtxSetCurrent(ctx) };
+        check(kind, r, || format!("cuCtxSetCurrent(ctx={ctx:p})"))?;
+        let _ = CURRENT_DRIVER.try_with(|c| c.set(self.id));
+        Ok(())
+    }
+
+    /// Device-pinned memory on this device, every other field zero.
+    fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: CUmemAllocationProp is a plain C struct of integers, an enum whose zero value is
+        // a declared variant (CU_MEM_*_INVALID / no handle type), a raw pointer and bytes: all
+        // zeroes is a valid value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = self.location();
+        prop
+    }
+
+    /// This device, as a memory location.
+    fn location(&self) -> sys::CUmemLocation {
+        sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.ordinal,
+        }
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        let _ = CURRENT_DRIVER.try_with(|c| {
+            if c.get() == self.id {
+                c.set(0);
+            }
+        });
+        let device = self.cu_device;
+        // SAFETY: `new` retained this device's primary context exactly once for this driver; this
+        // is the matching release. The symbol was checked present in `new`, and a panic (which
+        // should not happen) is caught so that drop never unwinds.
+        let _ = catch_unwind(|| unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) });
+    }
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        let kind = CallKind::MemInfo;
+        self.make_current(kind)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both are valid out-pointers; a context is current.
+        let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+        check(kind, r, || "cuMemGetInfo_v2()".into())?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
+        let kind = CallKind::Reserve;
+        self.make_current(kind)?;
+        let alignment = if alignment == 0 {
+            self.granularity
+        } else {
+            alignment
+        };
+        let mut va: sys::CUdeviceptr = 0;
+        // SAFETY: `va` is a valid out-pointer; the driver checks sizes and alignment.
+        let r = unsafe { sys::cuMemAddressReserve(&mut va, size, alignment, 0, 0) };
+        check(kind, r, || {
+            format!("cuMemAddressReserve(size={size:#x}, alignment={alignment:#x})")
+        })?;
+        Ok(va)
+    }
+
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
+        let kind = CallKind::FreeReservation;
+        self.make_current(kind)?;
+        // SAFETY: plain values; the driver validates that they name a reservation.
+        let r = unsafe { sys::cuMemAddressFree(base, size) };
+        check(kind, r, || {
+            format!("cuMemAddressFree(va={base:#x}, size={size:#x})")
+        })
+    }
+
+    fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
+        let kind = CallKind::Create;
+        self.make_current(kind)?;
+        let prop = self.allocation_prop();
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is a valid out-pointer and `prop` a fully initialised struct.
+        let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        check(kind, r, || {
+            format!("cuMemCreate(size={size:#x}, device={})", self.ordinal)
+        })?;
+        Ok(ChunkHandle(handle))
+    }
+
+    fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
+        let kind = CallKind::Release;
+        self.make_current(kind)?;
+        // SAFETY: a plain value; the driver validates the handle.
+        let r = unsafe { sys::cuMemRelease(handle.0) };
+        check(kind, r, || format!("cuMemRelease(handle={:#x})", handle.0))
+    }
+
+    fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
+        let kind = CallKind::Map;
+        self.make_current(kind)?;
+        // SAFETY: plain values; the driver validates that `va` lies in a reservation and that the
+        // handle and size match. Mapping only changes device page tables, not host memory.
+        let r = unsafe { sys::cuMemMap(va, size, 0, handle.0, 0) };
+        check(kind, r, || {
+            format!(
+                "cuMemMap(va={va:#x}, size={size:#x}, handle={:#x})",
+                handle.0
+            )
+        })
+    }
+
+    fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        let kind = CallKind::SetAccess;
+        self.make_current(kind)?;
+        let desc = sys::CUmemAccessDesc {
+            location: self.location(),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `desc` is one valid descriptor, matching the count of 1.
+        let r = unsafe { sys::cuMemSetAccess(va, size, &desc, 1) };
+        check(kind, r, || {
+            format!(
+                "cuMemSetAccess(va={va:#x}, size={size:#x}, device={}, RW)",
+                self.ordinal
+            )
+        })
+    }
+
+    fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        let kind = CallKind::Unmap;
+        self.make_current(kind)?;
+        // SAFETY: plain values; the driver validates that the range is whole mappings.
+        let r = unsafe { sys::cuMemUnmap(va, size) };
+        check(kind, r, || {
+            format!("cuMemUnmap(va={va:#x}, size={size:#x})")
+        })
+    }
+
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let kind = CallKind::Copy;
+        self.make_current(kind)?;
+        let len = src.len();
+        // SAFETY: `src` is valid for reads of `len` bytes for the whole (synchronous) copy; the
+        // driver validates the device range.
+        let r = unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast::<c_void>(), len) };
+        check(kind, r, || {
+            format!("cuMemcpyHtoD_v2(dst={dst:#x}, bytes={len:#x})")
+        })
+    }
+
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let kind = CallKind::Copy;
+        self.make_current(kind)?;
+        let len = dst.len();
+        // SAFETY: `dst` is valid for writes of `len` bytes, borrowed exclusively for the whole
+        // (synchronous) copy; any byte pattern is a valid u8. The driver validates the source.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src, len) };
+        check(kind, r, || {
+            format!("cuMemcpyDtoH_v2(src={src:#x}, bytes={len:#x})")
+        })
+    }
+
+    fn create_stream(&self) -> DriverResult<StreamHandle> {
+        let kind = CallKind::StreamCreate;
+        self.make_current(kind)?;
+        let mut stream: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: `stream` is a valid out-pointer; a context is current.
+        let r = unsafe { sys::cuStreamCreate(&mut stream, flags) };
+        check(kind, r, || "cuStreamCreate(NON_BLOCKING)".into())?;
+        Ok(StreamHandle(stream as u64))
+    }
+
+    fn destroy_stream(&self, stream: StreamHandle) -> DriverResult<()> {
+        let kind = CallKind::StreamDestroy;
+        if stream == StreamHandle::DEFAULT {
+            return Err(DriverError::new(
+                kind,
+                code::INVALID_HANDLE,
+                "cuStreamDestroy_v2(stream=0x0): the default stream cannot be destroyed",
+            ));
+        }
+        self.make_current(kind)?;
+        // SAFETY: the handle came from `create_stream` (the driver rejects stale ones it can
+        // detect); it is only passed back to the driver.
+        let r = unsafe { sys::cuStreamDestroy_v2(stream.0 as sys::CUstream) };
+        check(kind, r, || {
+            format!("cuStreamDestroy_v2(stream={:#x})", stream.0)
+        })
+    }
+
+    fn create_event(&self) -> DriverResult<EventHandle> {
+        let kind = CallKind::EventCreate;
+        self.make_current(kind)?;
+        let mut event: sys::CUevent = ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `event` is a valid out-pointer; a context is current.
+        let r = unsafe { sys::cuEventCreate(&mut event, flags) };
+        check(kind, r, || "cuEventCreate(DISABLE_TIMING)".into())?;
+        Ok(EventHandle(event as u64))
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
+        let kind = CallKind::EventRecord;
+        self.make_current(kind)?;
+        // SAFETY: the handles came from `create_event` / `create_stream` (or are the null
+        // stream); they are only passed back to the driver.
+        let r = unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream) };
+        check(kind, r, || {
+            format!(
+                "cuEventRecord(event={:#x}, stream={:#x})",
+                event.0, stream.0
+            )
+        })
+    }
+
+    fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
+        let kind = CallKind::EventQuery;
+        self.make_current(kind)?;
+        // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
+        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(kind, r, || format!("cuEventQuery(event={:#x})", event.0))?;
+        Ok(true)
+    }
+
+    fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
+        let kind = CallKind::EventDestroy;
+        self.make_current(kind)?;
+        // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
+        let r = unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
+        check(kind, r, || {
+            format!("cuEventDestroy_v2(event={:#x})", event.0)
+        })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Device 0, or `None` (after saying why) when this machine has no usable GPU.
+    fn gpu() -> Option<CudaDriver> {
+        match probe() {
+            Err(why) => {
+                println!("skipping: {why}");
+                None
+            }
+            Ok(_) => Some(
+                CudaDriver::new(0).expect("probe found a device but CudaDriver::new(0) failed"),
+            ),
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    #[test]
+    fn no_gpu_fails_cleanly_and_bad_ordinals_are_refused() {
+        match probe() {
+            Err(why) => {
+                assert!(!why.is_empty());
+                let e = CudaDriver::new(0).expect_err("probe failed, so new must fail");
+                println!("no GPU here: probe: {why}; new(0): {e}");
+                assert!(!e.message.is_empty());
+                assert_eq!(e.call, CallKind::MemInfo);
+            }
+            Ok(count) => {
+                for bad in [-1, count] {
+                    let e = CudaDriver::new(bad).expect_err("an out-of-range ordinal must fail");
+                    assert_eq!(e.code, INVALID_DEVICE);
+                    assert!(e.message.contains("out of range"), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn granularity_and_mem_info() {
+        let Some(d) = gpu() else { return };
+        let g = d.granularity();
+        assert!(g.is_power_of_two() && g >= 64 << 10, "granularity {g}");
+        let info = d.mem_info().unwrap();
+        assert!(info.total > 0 && info.free <= info.total, "{info:?}");
+        assert_eq!(d.name(), "cuda");
+        assert_eq!(d.device(), 0);
+        assert!(!d.context().is_null());
+    }
+
+    #[test]
+    fn map_alias_read_write_unmap() {
+        let Some(d) = gpu() else { return };
+        let g = d.granularity();
+        let g64 = g as u64;
+        let base = d.reserve(3 * g, 0).unwrap();
+        assert_eq!(base % g64, 0);
+        let a = d.create_chunk(g).unwrap();
+        let b = d.create_chunk(g).unwrap();
+        d.map(base, g, a).unwrap();
+        d.map(base + 2 * g64, g, b).unwrap();
+        d.set_access(base, g).unwrap();
+        d.set_access(base + 2 * g64, g).unwrap();
+
+        let pa = pattern(g, 7);
+        let pb = pattern(g, 101);
+        d.write(base, &pa).unwrap();
+        d.write(base + 2 * g64, &pb).unwrap();
+        let mut got = vec![0u8; g];
+        d.read(base, &mut got).unwrap();
+        assert!(got == pa, "chunk a read back wrong");
+        d.read(base + 2 * g64, &mut got).unwrap();
+        assert!(got == pb, "chunk b read back wrong");
+
+        // The same physical chunk at a second address shows the same bytes, both ways.
+        d.map(base + g64, g, a).unwrap();
+        d.set_access(base + g64, g).unwrap();
+        d.read(base + g64, &mut got).unwrap();
+        assert!(got == pa, "alias of chunk a shows different bytes");
+        d.write(base + g64 + 100, &[0xAB; 16]).unwrap();
+        let mut small = [0u8; 16];
+        d.read(base + 100, &mut small).unwrap();
+        assert_eq!(small, [0xAB; 16]);
+
+        // One unmap spanning three mappings, as the contract allows.
+        d.unmap(base, 3 * g).unwrap();
+        d.release_chunk(a).unwrap();
+        d.release_chunk(b).unwrap();
+        d.free_reservation(base, 3 * g).unwrap();
+    }
+
+    #[test]
+    fn released_chunk_lives_while_mapped() {
+        let Some(d) = gpu() else { return };
+        let g = d.granularity();
+        let base = d.reserve(g, 0).unwrap();
+        let a = d.create_chunk(g).unwrap();
+        d.map(base, g, a).unwrap();
+        d.set_access(base, g).unwrap();
+        d.release_chunk(a).unwrap();
+        let p = pattern(4096, 3);
+        d.write(base, &p).unwrap();
+        let mut got = vec![0u8; p.len()];
+        d.read(base, &mut got).unwrap();
+        assert_eq!(got, p);
+        d.unmap(base, g).unwrap();
+        d.free_reservation(base, g).unwrap();
+    }
+
+    #[test]
+    fn event_on_fresh_stream_completes() {
+        let Some(d) = gpu() else { return };
+        let s = d.create_stream().unwrap();
+        assert_ne!(s, StreamHandle::DEFAULT);
+        for stream in [s, StreamHandle::DEFAULT] {
+            let e = d.create_event().unwrap();
+            d.record_event(e, stream).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !d.event_done(e).unwrap() {
+                assert!(
+                    Instant::now() < deadline,
+                    "event on an idle stream never completed"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            d.destroy_event(e).unwrap();
+        }
+        d.destroy_stream(s).unwrap();
+        let e = d.destroy_stream(StreamHandle::DEFAULT).unwrap_err();
+        assert_eq!(e.call, CallKind::StreamDestroy);
+    }
+
+    #[test]
+    fn errors_are_values_with_the_right_kind() {
+        let Some(d) = gpu() else { return };
+        let g = d.granularity();
+        let base = d.reserve(2 * g, 0).unwrap();
+        let a = d.create_chunk(g).unwrap();
+        let e = d.map(base + 4096, g, a).unwrap_err();
+        assert_eq!(e.call, CallKind::Map);
+        assert_ne!(e.code, 0);
+        assert!(e.message.starts_with("cuMemMap(va=0x"), "{e}");
+        assert!(e.message.contains("CUDA_ERROR_"), "{e}");
+        println!("expected error: {e}");
+        let e = d.create_chunk(g + 1).unwrap_err();
+        assert_eq!(e.call, CallKind::Create);
+        d.release_chunk(a).unwrap();
+        d.free_reservation(base, 2 * g).unwrap();
+        let e = check(
+            CallKind::Unmap,
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+            || "x()".into(),
+        )
+        .unwrap_err();
+        assert_eq!(e.code, code::INVALID_VALUE);
+        assert!(
+            e.message.starts_with("x() -> CUDA_ERROR_INVALID_VALUE"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn usable_from_a_thread_without_a_current_context() {
+        let Some(d) = gpu() else { return };
+        let d = std::sync::Arc::new(d);
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let d = d.clone();
+                std::thread::spawn(move || {
+                    let g = d.granularity();
+                    let va = d.reserve(g, 0).unwrap();
+                    let c = d.create_chunk(g).unwrap();
+                    d.map(va, g, c).unwrap();
+                    d.set_access(va, g).unwrap();
+                    d.write(va, &[5; 64]).unwrap();
+                    let mut got = [0u8; 64];
+                    d.read(va, &mut got).unwrap();
+                    assert_eq!(got, [5; 64]);
+                    d.unmap(va, g).unwrap();
+                    d.release_chunk(c).unwrap();
+                    d.free_reservation(va, g).unwrap();
+                    let s = d.create_stream().unwrap();
+                    d.destroy_stream(s).unwrap();
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The public allocator: opens a backend from [`Options`], sizes the cap and the virtual
+//! reservations from device memory, and serialises requests to the heap behind one lock.
+//!
+//! Locking today: one mutex around the heap, held across the driver calls a request makes. The
+//! stream-ordered front end (issue 3) moves driver calls off this lock.
+
+use std::fmt;
+
+use crate::config::{BackendKind, Options};
+use crate::core::heap::{Heap, Limits};
+use crate::core::stats::Stats;
+use crate::driver::cuda::{self, CudaDriver};
+use crate::driver::host::{HostConfig, HostDriver};
+use crate::driver::{
+    ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle, Instrumented, MemInfo,
+    StreamHandle,
+};
+use crate::error::{Error, Result};
+use std::sync::Mutex;
+
+/// The backends MoonBright can run on.
+#[derive(Debug)]
+pub enum Backend {
+    /// The CUDA driver.
+    Cuda(CudaDriver),
+    /// The CPU model.
+    Host(HostDriver),
+}
+
+impl Backend {
+    /// Opens the backend `options` ask for; `Auto` takes CUDA when a GPU is present.
+    pub fn open(options: &Options) -> Result<Backend> {
+        let host = || {
+            HostDriver::new(HostConfig {
+                page_size: options.host_page_size,
+                capacity: options.host_capacity,
+            })
+            .map(Backend::Host)
+            .map_err(Error::from)
+        };
+        match options.backend {
+            BackendKind::Host => host(),
+            BackendKind::Cuda => CudaDriver::new(options.device)
+                .map(Backend::Cuda)
+                .map_err(|e| Error::NoBackend(format!("cuda backend: {e}"))),
+            BackendKind::Auto => match cuda::probe() {
+                Ok(_) => CudaDriver::new(options.device).map(Backend::Cuda).map_err(Error::from),
+                Err(_) => host(),
+            },
+        }
+    }
+
+    /// The host backend, if this is it (for its test hooks).
+    pub fn as_host(&self) -> Option<&HostDriver> {
+        match self {
+            Backend::Host(h) => Some(h),
+            Backend::Cuda(_) => None,
+        }
+    }
+
+    fn as_dyn(&self) -> &dyn Driver {
+        match self {
+            Backend::Cuda(d) => d,
+            Backend::Host(d) => d,
+        }
+    }
+}
+
+impl Driver for Backend {
+    fn name(&self) -> &'static str {
+        self.as_dyn().name()
+    }
+    fn granularity(&self) -> usize {
+        self.as_dyn().granularity()
+    }
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.as_dyn().mem_info()
+    }
+    fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
+        self.as_dyn().reserve(size, alignment)
+    }
+    fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
+        self.as_dyn().free_reservation(base, size)
+    }
+    fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
+        self.as_dyn().create_chunk(size)
+    }
+    fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
+        self.as_dyn().release_chunk(handle)
+    }
+    fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
+        self.as_dyn().map(va, size, handle)
+    }
+    fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.as_dyn().set_access(va, size)
+    }
+    fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.as_dyn().unmap(va, size)
+    }
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
+        self.as_dyn().write(dst, src)
+    }
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()> {
+        self.as_dyn().read(src, dst)
+    }
+    fn create_stream(&self) -> DriverResult<StreamHandle> {
+        self.as_dyn().create_stream()
+    }
+    fn destroy_stream(&self, stream: StreamHandle) -> DriverResult<()> {
+        self.as_dyn().destroy_stream(stream)
+    }
+    fn create_event(&self) -> DriverResult<EventHandle> {
+        self.as_dyn().create_event()
+    }
+    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
+        self.as_dyn().record_event(event, stream)
+    }
+    fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
+        self.as_dyn().event_done(event)
+    }
+    fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
+        self.as_dyn().destroy_event(event)
+    }
+}
+
+/// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free.
+pub struct Allocator {
+    driver: Instrumented<Backend>,
+    heap: Mutex<Heap>,
+    options: Options,
+    total_memory: u64,
+}
+
+impl fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocator")
+            .field("backend", &self.driver.name())
+            .field("cap", &self.cap())
+            .field("total_memory", &self.total_memory)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Allocator {
+    /// Opens the backend `options` name and sets up an empty allocator. Nothing is reserved or
+    /// created until the first request.
+    pub fn new(options: Options) -> Result<Allocator> {
+        options.check()?;
+        let backend = Backend::open(&options)?;
+        Allocator::with_backend(backend, options)
+    }
+
+    /// An allocator over a backend opened by the caller.
+    pub fn with_backend(backend: Backend, options: Options) -> Result<Allocator> {
+        options.check()?;
+        let driver = Instrumented::new(backend);
+        let page = driver.granularity() as u64;
+        let info = driver.mem_info()?;
+        let device_cap = (info.total as f64 * options.cap_fraction) as u64 / page * page;
+        let cap = match options.cap_bytes {
+            Some(c) => c.min(info.total) / page * page,
+            None => device_cap,
+        };
+        if cap < page {
+            return Err(Error::InvalidOption {
+                name: "cap",
+                reason: format!("{cap} bytes is less than one page of {page} bytes"),
+            });
+        }
+        let max_chunk_pages = (options.max_chunk_bytes / page).max(1);
+        let total_pages = info.total.div_ceil(page);
+        let lim = Limits {
+            page,
+            cap,
+            max_chunk_pages,
+            reserve_bytes: total_pages * page * options.va_reserve_factor,
+            va_limit: total_pages * page * options.va_limit_factor,
+            unmap_batch_ranges: options.unmap_batch_ranges,
+            unmap_batch_bytes: options.unmap_batch_bytes,
+        };
+        Ok(Allocator { driver, heap: Mutex::new(Heap::new(lim)), options, total_memory: info.total })
+    }
+
+    fn heap(&self) -> std::sync::MutexGuard<'_, Heap> {
+        // A panic while the lock was held can only come from a bug caught by a debug assertion;
+        // the heap's state is still consistent between statements that touch it, so go on.
+        self.heap.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn after(&self, heap: &Heap) {
+        if self.options.validate {
+            if let Err(e) = heap.check() {
+                panic!("MoonBright invariant broken: {e}");
+            }
+        }
+    }
+
+    /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up).
+    pub fn malloc(&self, size: usize) -> Result<DevicePtr> {
+        let mut heap = self.heap();
+        let r = heap.malloc(&self.driver, size as u64);
+        self.after(&heap);
+        r
+    }
+
+    /// Frees an allocation. The caller guarantees no device work still uses it (as after a
+    /// stream synchronisation); the stream-ordered `free_async` lifts that.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let mut heap = self.heap();
+        let r = heap.free(&self.driver, ptr);
+        self.after(&heap);
+        r
+    }
+
+    /// The usable size of a live allocation (its size rounded up), or `None`.
+    pub fn usable_size(&self, ptr: DevicePtr) -> Option<usize> {
+        self.heap().usable_size(ptr).map(|s| s as usize)
+    }
+
+    /// Unmaps every retired range now rather than at the next batch.
+    pub fn flush(&self) -> Result<()> {
+        let mut heap = self.heap();
+        let r = heap.flush_retired(&self.driver);
+        self.after(&heap);
+        r
+    }
+
+    /// Gives every physical page no allocation uses back to the driver (like
+    /// `torch.cuda.empty_cache`). Returns the bytes released.
+    pub fn release_unused(&self) -> Result<u64> {
+        let mut heap = self.heap();
+        let r = heap.release_unused(&self.driver);
+        self.after(&heap);
+        r
+    }
+
+    /// A snapshot of the statistics.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.heap().stats().clone();
+        s.driver_calls = self.driver.counts();
+        s
+    }
+
+    /// Resets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.heap().reset_peaks();
+    }
+
+    /// The last driver error met outside a request (a deferred unmap that will be retried), if any.
+    pub fn take_deferred_error(&self) -> Option<DriverError> {
+        self.heap().take_deferred_error()
+    }
+
+    /// Checks every invariant of the allocator's state.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.heap().check()
+    }
+
+    /// The cap on physical bytes held.
+    pub fn cap(&self) -> u64 {
+        self.heap().limits().cap
+    }
+
+    /// The page size (mapping granularity) in bytes.
+    pub fn page_size(&self) -> usize {
+        self.driver.granularity()
+    }
+
+    /// Total device memory as the backend reports it.
+    pub fn total_memory(&self) -> u64 {
+        self.total_memory
+    }
+
+    /// The options this allocator was made with.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// The backend, wrapped with call counters and fault injection.
+    pub fn driver(&self) -> &Instrumented<Backend> {
+        &self.driver
+    }
+
+    /// Copies bytes into device memory (synchronous; for tests and tools).
+    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        Ok(self.driver.write(dst, src)?)
+    }
+
+    /// Copies device memory into host bytes (synchronous; for tests and tools).
+    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        Ok(self.driver.read(src, dst)?)
+    }
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        let heap = self.heap.get_mut().unwrap_or_else(|e| e.into_inner());
+        let (leaked, error) = heap.teardown(&self.driver);
+        if leaked > 0 {
+            eprintln!("moonbright: {leaked} allocations were still live when the allocator was dropped");
+        }
+        if let Some(e) = error {
+            eprintln!("moonbright: teardown: {e}");
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Allocator options: what can be configured, the defaults, and validation that names the option
+//! and what is allowed.
+
+use crate::error::{Error, Result};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Which driver backend to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// CUDA when a GPU is present, the host backend otherwise.
+    #[default]
+    Auto,
+    /// The CUDA driver.
+    Cuda,
+    /// The CPU model of the CUDA virtual-memory API.
+    Host,
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(BackendKind::Auto),
+            "cuda" => Ok(BackendKind::Cuda),
+            "host" => Ok(BackendKind::Host),
+            other => Err(Error::InvalidOption {
+                name: "backend",
+                reason: format!("`{other}` is not one of auto, cuda, host"),
+            }),
+        }
+    }
+}
+
+/// Options of an allocator. `Options::default()` suits one process owning one GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    /// Which backend.
+    pub backend: BackendKind,
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// Cap on physical bytes held; `None`: `cap_fraction` of the device's total memory.
+    pub cap_bytes: Option<u64>,
+    /// Fraction of device memory usable when `cap_bytes` is `None`, in (0, 1].
+    pub cap_fraction: f64,
+    /// Host backend: page size (its granularity).
+    pub host_page_size: usize,
+    /// Host backend: bytes of simulated device memory.
+    pub host_capacity: u64,
+    /// Largest physical chunk in bytes (a power-of-two multiple of the page). Larger chunks cut
+    /// set-access and unmap calls, which cost per handle; 2 MiB pages keep stitching free.
+    pub max_chunk_bytes: u64,
+    /// Retired ranges that trigger an unmap batch.
+    pub unmap_batch_ranges: usize,
+    /// Retired bytes that trigger an unmap batch.
+    pub unmap_batch_bytes: u64,
+    /// Size of each virtual reservation, as a multiple of the device's total memory.
+    pub va_reserve_factor: u64,
+    /// Limit on all virtual reservations together, as a multiple of the device's total memory.
+    pub va_limit_factor: u64,
+    /// Check every invariant after every operation (slow; for tests and debugging).
+    pub validate: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            backend: BackendKind::Auto,
+            device: 0,
+            cap_bytes: None,
+            cap_fraction: 0.95,
+            host_page_size: 2 * MIB as usize,
+            host_capacity: 64 * GIB,
+            max_chunk_bytes: 64 * MIB,
+            unmap_batch_ranges: 64,
+            unmap_batch_bytes: 4 * GIB,
+            va_reserve_factor: 2,
+            va_limit_factor: 16,
+            validate: false,
+        }
+    }
+}
+
+impl Options {
+    /// Options for the host backend with `capacity` bytes of simulated memory and `page` bytes a
+    /// page, checking invariants after every operation: the set-up tests use.
+    pub fn host(capacity: u64, page: usize) -> Self {
+        Options {
+            backend: BackendKind::Host,
+            host_capacity: capacity,
+            host_page_size: page,
+            validate: true,
+            ..Options::default()
+        }
+    }
+
+    /// Checks every option; the error names the first bad one and what is allowed.
+    pub fn check(&self) -> Result<()> {
+        let bad = |name, reason: String| Err(Error::InvalidOption { name, reason });
+        if self.device < 0 {
+            return bad("device", format!("{} is negative", self.device));
+        }
+        if let Some(cap) = self.cap_bytes {
+            if cap == 0 {
+                return bad("cap", "must be greater than 0 bytes".into());
+            }
+        }
+        if !(self.cap_fraction > 0.0 && self.cap_fraction <= 1.0) {
+            return bad("cap_fraction", format!("{} is not in (0, 1]", self.cap_fraction));
+        }
+        let page = self.host_page_size;
+        if !page.is_power_of_two() || page < 4096 || page as u64 > GIB {
+            return bad(
+                "host_page_size",
+                format!("{page} is not a power of two between 4096 and 1 GiB"),
+            );
+        }
+        if self.host_capacity < page as u64 {
+            return bad(
+                "host_capacity",
+                format!("{} bytes is less than one page ({page})", self.host_capacity),
+            );
+        }
+        if !self.max_chunk_bytes.is_power_of_two() || self.max_chunk_bytes > 64 * GIB {
+            return bad(
+                "max_chunk_bytes",
+                format!("{} is not a power of two of at most 64 GiB", self.max_chunk_bytes),
+            );
+        }
+        if self.unmap_batch_ranges == 0 {
+            return bad("unmap_batch_ranges", "must be at least 1".into());
+        }
+        if self.unmap_batch_bytes == 0 {
+            return bad("unmap_batch_bytes", "must be at least 1".into());
+        }
+        if !(1..=64).contains(&self.va_reserve_factor) {
+            return bad("va_reserve_factor", format!("{} is not in 1..=64", self.va_reserve_factor));
+        }
+        if self.va_limit_factor < self.va_reserve_factor || self.va_limit_factor > 256 {
+            return bad(
+                "va_limit_factor",
+                format!(
+                    "{} is not in va_reserve_factor ({})..=256",
+                    self.va_limit_factor, self.va_reserve_factor
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_options_are_valid() {
+        Options::default().check().unwrap();
+    }
+
+    #[test]
+    fn each_bad_option_is_named() {
+        let cases: Vec<(&str, Options)> = vec![
+            ("device", Options { device: -1, ..Default::default() }),
+            ("cap", Options { cap_bytes: Some(0), ..Default::default() }),
+            ("cap_fraction", Options { cap_fraction: 0.0, ..Default::default() }),
+            ("cap_fraction", Options { cap_fraction: f64::NAN, ..Default::default() }),
+            ("host_page_size", Options { host_page_size: 3 << 20, ..Default::default() }),
+            ("host_page_size", Options { host_page_size: 1024, ..Default::default() }),
+            ("host_capacity", Options { host_capacity: 1, ..Default::default() }),
+            ("max_chunk_bytes", Options { max_chunk_bytes: 3 << 20, ..Default::default() }),
+            ("unmap_batch_ranges", Options { unmap_batch_ranges: 0, ..Default::default() }),
+            ("unmap_batch_bytes", Options { unmap_batch_bytes: 0, ..Default::default() }),
+            ("va_reserve_factor", Options { va_reserve_factor: 0, ..Default::default() }),
+            ("va_limit_factor", Options { va_limit_factor: 1, ..Default::default() }),
+        ];
+        for (name, opts) in cases {
+            match opts.check() {
+                Err(Error::InvalidOption { name: got, reason }) => {
+                    assert_eq!(got, name, "{reason}");
+                    assert!(!reason.is_empty());
+                }
+                other => panic!("{name}: expected InvalidOption, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!("host".parse::<BackendKind>().unwrap(), BackendKind::Host);
+        assert_eq!("cuda".parse::<BackendKind>().unwrap(), BackendKind::Cuda);
+        assert!("gpu".parse::<BackendKind>().is_err());
+    }
+}

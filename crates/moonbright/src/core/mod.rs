@@ -1,0 +1,10 @@
+//! The allocator core: the physical chunk pool, the virtual-address space, the sub-page allocator,
+//! statistics, and the heap that ties them together and holds every policy.
+
+pub(crate) mod heap;
+pub(crate) mod pool;
+pub mod stats;
+pub(crate) mod subpage;
+pub(crate) mod vaspace;
+
+pub use subpage::SUBPAGE_ALIGN;

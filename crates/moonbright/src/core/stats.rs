@@ -1,0 +1,119 @@
+//! Statistics in PyTorch's shape: each figure has current / peak / allocated (cumulative
+//! increases) / freed (cumulative decreases). Updated under the allocator's lock.
+
+use crate::driver::CallCounts;
+
+/// One statistic: current value, peak, and cumulative increases and decreases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Now.
+    pub current: u64,
+    /// Highest `current` since creation or the last peak reset.
+    pub peak: u64,
+    /// Sum of all increases.
+    pub allocated: u64,
+    /// Sum of all decreases.
+    pub freed: u64,
+}
+
+impl Stat {
+    pub(crate) fn add(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    pub(crate) fn sub(&mut self, n: u64) {
+        debug_assert!(self.current >= n, "statistic would go negative");
+        self.current -= n;
+        self.freed += n;
+    }
+
+    pub(crate) fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A snapshot of an allocator's statistics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes of live allocations, as requested.
+    pub allocated_bytes: Stat,
+    /// Bytes of physical memory held (chunks created and not released).
+    pub reserved_bytes: Stat,
+    /// Bytes of live allocations after rounding (to 256 B below a page, to pages above).
+    pub active_bytes: Stat,
+    /// Rounded minus requested bytes of live allocations: the cost of rounding.
+    pub rounding_waste_bytes: Stat,
+    /// Virtual bytes mapped (live, cached and retired ranges).
+    pub mapped_bytes: Stat,
+    /// Live allocations.
+    pub allocations: Stat,
+    /// Physical chunks held.
+    pub chunks: Stat,
+    /// Freed ranges kept mapped for reuse as they are.
+    pub cached_ranges: Stat,
+    /// Ranges waiting for their unmap.
+    pub retired_ranges: Stat,
+    /// Allocations served by a cached range without any driver call.
+    pub cache_hits: u64,
+    /// Allocations served from a sub-page arena.
+    pub subpage_allocations: u64,
+    /// Cached ranges broken up to reuse their pages elsewhere.
+    pub cached_ranges_stolen: u64,
+    /// Chunks released and recreated smaller under pressure.
+    pub chunk_splits: u64,
+    /// Unmap batches flushed.
+    pub unmap_batches: u64,
+    /// `cuMemUnmap` calls made by unmap batches.
+    pub unmap_calls_in_batches: u64,
+    /// Requests refused for lack of memory.
+    pub num_ooms: u64,
+    /// Driver errors met outside a request (in a deferred unmap, say), recovered by retrying later.
+    pub deferred_errors: u64,
+    /// Driver calls by kind.
+    pub driver_calls: CallCounts,
+}
+
+impl Stats {
+    /// Peak reserved over peak allocated bytes: the figure fragmentation targets are set in.
+    pub fn reserved_over_allocated_peak(&self) -> f64 {
+        if self.allocated_bytes.peak == 0 {
+            return 1.0;
+        }
+        self.reserved_bytes.peak as f64 / self.allocated_bytes.peak as f64
+    }
+
+    pub(crate) fn reset_peaks(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.rounding_waste_bytes,
+            &mut self.mapped_bytes,
+            &mut self.allocations,
+            &mut self.chunks,
+            &mut self.cached_ranges,
+            &mut self.retired_ranges,
+        ] {
+            s.reset_peak();
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.add(10);
+        s.add(5);
+        s.sub(12);
+        s.add(1);
+        assert_eq!(s, Stat { current: 4, peak: 15, allocated: 16, freed: 12 });
+        s.reset_peak();
+        assert_eq!(s.peak, 4);
+    }
+}

@@ -1,0 +1,218 @@
+//! The virtual-address space's bookkeeping: reservations, the bump frontier where fresh mappings
+//! go, retired ranges waiting for their batched unmap, and recycled addresses (unmapped, so no
+//! stale translation of them can exist) to use once the frontier runs out. Pure bookkeeping.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::pool::ChunkId;
+
+/// A range taken out of service: still mapped, waiting for its unmap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Retired {
+    pub va: u64,
+    pub len: u64,
+    /// The chunks mapped there, in address order; each counts this mapping until the unmap.
+    pub chunks: Vec<ChunkId>,
+}
+
+/// One run of retired ranges that are adjacent in address space: one unmap call covers it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct UnmapRun {
+    pub va: u64,
+    pub len: u64,
+    pub parts: Vec<Retired>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct VaSpace {
+    /// (base, len) of every reservation.
+    reservations: Vec<(u64, u64)>,
+    /// Next fresh address and the end of the reservation it is in.
+    frontier: u64,
+    frontier_end: u64,
+    /// Unmapped addresses ready for reuse, start -> len, coalesced.
+    recycled: BTreeMap<u64, u64>,
+    retired: VecDeque<Retired>,
+    retired_bytes: u64,
+}
+
+impl VaSpace {
+    /// Adds a reservation and moves the frontier into it; what the old frontier had left (never
+    /// mapped) is recycled.
+    pub fn add_reservation(&mut self, base: u64, len: u64) {
+        if self.frontier < self.frontier_end {
+            self.recycle(self.frontier, self.frontier_end - self.frontier);
+        }
+        self.reservations.push((base, len));
+        self.frontier = base;
+        self.frontier_end = base + len;
+    }
+
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reservations.iter().map(|r| r.1).sum()
+    }
+
+    pub fn reservations(&self) -> &[(u64, u64)] {
+        &self.reservations
+    }
+
+    /// A fresh range of `len` bytes: at the frontier if it has room, else from recycled addresses
+    /// (first fit). `None` if neither has room.
+    pub fn take_fresh(&mut self, len: u64) -> Option<u64> {
+        if self.frontier_end - self.frontier >= len {
+            let va = self.frontier;
+            self.frontier += len;
+            return Some(va);
+        }
+        let (&start, &have) = self.recycled.iter().find(|(_, &l)| l >= len)?;
+        self.recycled.remove(&start);
+        if have > len {
+            self.recycled.insert(start + len, have - len);
+        }
+        Some(start)
+    }
+
+    /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse.
+    pub fn recycle(&mut self, mut va: u64, mut len: u64) {
+        debug_assert!(len > 0);
+        if let Some((&prev, &plen)) = self.recycled.range(..va).next_back() {
+            debug_assert!(prev + plen <= va, "recycled ranges overlap");
+            if prev + plen == va {
+                self.recycled.remove(&prev);
+                va = prev;
+                len += plen;
+            }
+        }
+        if let Some(&nlen) = self.recycled.get(&(va + len)) {
+            self.recycled.remove(&(va + len));
+            len += nlen;
+        }
+        self.recycled.insert(va, len);
+    }
+
+    pub fn retire(&mut self, r: Retired) {
+        self.retired_bytes += r.len;
+        self.retired.push_back(r);
+    }
+
+    pub fn retired_count(&self) -> usize {
+        self.retired.len()
+    }
+
+    pub fn retired_bytes(&self) -> u64 {
+        self.retired_bytes
+    }
+
+    /// Takes every retired range, merged into runs of adjacent ranges (one unmap each).
+    pub fn take_retired_runs(&mut self) -> Vec<UnmapRun> {
+        let mut all: Vec<Retired> = self.retired.drain(..).collect();
+        self.retired_bytes = 0;
+        all.sort_by_key(|r| r.va);
+        let mut runs: Vec<UnmapRun> = Vec::new();
+        for r in all {
+            match runs.last_mut() {
+                Some(run) if run.va + run.len == r.va => {
+                    run.len += r.len;
+                    run.parts.push(r);
+                }
+                _ => runs.push(UnmapRun { va: r.va, len: r.len, parts: vec![r] }),
+            }
+        }
+        runs
+    }
+
+    /// Puts back runs whose unmap did not happen.
+    pub fn put_back_runs(&mut self, runs: impl IntoIterator<Item = UnmapRun>) {
+        for run in runs {
+            for r in run.parts {
+                self.retire(r);
+            }
+        }
+    }
+
+    pub fn retired(&self) -> impl Iterator<Item = &Retired> {
+        self.retired.iter()
+    }
+
+    pub fn recycled(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.recycled.iter().map(|(&a, &l)| (a, l))
+    }
+
+    /// The never-used tail of the current reservation.
+    pub fn frontier(&self) -> (u64, u64) {
+        (self.frontier, self.frontier_end)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn frontier_then_recycled() {
+        let mut v = VaSpace::default();
+        v.add_reservation(1000, 100);
+        assert_eq!(v.take_fresh(60), Some(1000));
+        assert_eq!(v.take_fresh(60), None);
+        v.recycle(1000, 30);
+        v.recycle(1030, 30);
+        // Coalesced into one range of 60: the frontier has only 40 left, so recycled serves it.
+        assert_eq!(v.take_fresh(60), Some(1000));
+        assert_eq!(v.take_fresh(40), Some(1060));
+    }
+
+    #[test]
+    fn new_reservation_recycles_old_frontier_tail() {
+        let mut v = VaSpace::default();
+        v.add_reservation(0, 100);
+        v.take_fresh(70);
+        v.add_reservation(1000, 100);
+        assert_eq!(v.recycled().collect::<Vec<_>>(), vec![(70, 30)]);
+        assert_eq!(v.take_fresh(100), Some(1000));
+        assert_eq!(v.take_fresh(30), Some(70));
+    }
+
+    #[test]
+    fn adjacent_retired_ranges_merge_into_one_unmap() {
+        let mut v = VaSpace::default();
+        v.retire(Retired { va: 20, len: 10, chunks: vec![2] });
+        v.retire(Retired { va: 0, len: 10, chunks: vec![0] });
+        v.retire(Retired { va: 10, len: 10, chunks: vec![1] });
+        v.retire(Retired { va: 50, len: 10, chunks: vec![3] });
+        let runs = v.take_retired_runs();
+        assert_eq!(runs.len(), 2);
+        assert_eq!((runs[0].va, runs[0].len, runs[0].parts.len()), (0, 30, 3));
+        assert_eq!((runs[1].va, runs[1].len), (50, 10));
+        assert_eq!(v.retired_count(), 0);
+        v.put_back_runs(runs);
+        assert_eq!(v.retired_bytes(), 40);
+    }
+
+    proptest! {
+        /// Ranges handed out never overlap one another while taken, and recycled space is reused.
+        #[test]
+        fn fresh_ranges_never_overlap(ops in proptest::collection::vec((any::<bool>(), 1u64..8), 1..300)) {
+            let mut v = VaSpace::default();
+            v.add_reservation(0, 64);
+            let mut taken: Vec<(u64, u64)> = Vec::new();
+            for (take, len) in ops {
+                if take {
+                    if let Some(va) = v.take_fresh(len) {
+                        prop_assert!(va + len <= 64);
+                        for &(a, l) in &taken {
+                            prop_assert!(va + len <= a || a + l <= va, "overlap");
+                        }
+                        taken.push((va, len));
+                    }
+                } else if let Some((a, l)) = taken.pop() {
+                    v.recycle(a, l);
+                }
+                let (f, fe) = v.frontier();
+                let free: u64 = v.recycled().map(|r| r.1).sum::<u64>() + (fe - f);
+                let used: u64 = taken.iter().map(|t| t.1).sum();
+                prop_assert_eq!(free + used, 64);
+            }
+        }
+    }
+}

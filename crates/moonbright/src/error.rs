@@ -1,0 +1,94 @@
+//! MoonBright's error type: one enum for everything an allocator call can refuse, each variant
+//! saying why in words a user can act on.
+
+use crate::driver::DriverError;
+
+/// Everything that can go wrong in an allocator call.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// Not enough free memory, counting every free page wherever it is.
+    #[error(
+        "out of memory: tried to allocate {requested} bytes; {allocated} bytes are allocated, \
+         {reserved} bytes reserved, of which {free_in_pool} free in the pool; the cap is {cap} bytes. \
+         Free memory is never unusable because it is scattered, so this request needs {short} more bytes \
+         to be freed, or a larger cap (option `cap`)"
+    )]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes in live allocations (as requested).
+        allocated: u64,
+        /// Bytes of physical memory held.
+        reserved: u64,
+        /// Bytes of held physical memory that no allocation uses.
+        free_in_pool: u64,
+        /// The cap on reserved bytes.
+        cap: u64,
+        /// How many more bytes would have to be free for this request to succeed.
+        short: u64,
+    },
+    /// A request that no allocator state could satisfy.
+    #[error("cannot allocate {requested} bytes: larger than the cap of {cap} bytes (option `cap`)")]
+    TooLarge {
+        /// Bytes asked for.
+        requested: u64,
+        /// The cap.
+        cap: u64,
+    },
+    /// `malloc(0)`.
+    #[error("cannot allocate 0 bytes")]
+    ZeroSize,
+    /// A free of an address this allocator never returned (or returned long ago and forgot).
+    #[error("free of unknown pointer {ptr:#x}: this allocator did not return it, or it was freed already")]
+    UnknownPointer {
+        /// The pointer passed.
+        ptr: u64,
+    },
+    /// A second free of a pointer.
+    #[error("double free of {ptr:#x}: it was freed already and not allocated again since")]
+    DoubleFree {
+        /// The pointer passed.
+        ptr: u64,
+    },
+    /// A free of an address inside a live allocation rather than at its start.
+    #[error(
+        "free of {ptr:#x}, which points {offset} bytes into the live allocation at {base:#x}: \
+         free takes the pointer that malloc returned"
+    )]
+    InteriorPointer {
+        /// The pointer passed.
+        ptr: u64,
+        /// The allocation it points into.
+        base: u64,
+        /// Its offset there.
+        offset: u64,
+    },
+    /// A bad option value.
+    #[error("invalid option `{name}`: {reason}")]
+    InvalidOption {
+        /// The option's name.
+        name: &'static str,
+        /// What is wrong and what is allowed.
+        reason: String,
+    },
+    /// No backend could be opened.
+    #[error("no backend available: {0}")]
+    NoBackend(String),
+    /// The virtual address space limit was reached.
+    #[error(
+        "virtual address space exhausted: {reserved} bytes reserved, limit {limit} bytes \
+         (option `va_limit_factor`)"
+    )]
+    AddressSpaceExhausted {
+        /// Bytes of virtual addresses reserved.
+        reserved: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// A driver call failed; the allocator's state is as it was before the request.
+    #[error("driver call failed: {0}")]
+    Driver(#[from] DriverError),
+}
+
+/// Result of an allocator call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
