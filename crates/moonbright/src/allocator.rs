@@ -20,6 +20,7 @@ use std::sync::Mutex;
 
 /// The backends MoonBright can run on.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per allocator; boxing buys nothing
 pub enum Backend {
     /// The CUDA driver.
     Cuda(CudaDriver),
@@ -178,7 +179,12 @@ impl Allocator {
             unmap_batch_ranges: options.unmap_batch_ranges,
             unmap_batch_bytes: options.unmap_batch_bytes,
         };
-        Ok(Allocator { driver, heap: Mutex::new(Heap::new(lim)), options, total_memory: info.total })
+        Ok(Allocator {
+            driver,
+            heap: Mutex::new(Heap::new(lim)),
+            options,
+            total_memory: info.total,
+        })
     }
 
     fn heap(&self) -> std::sync::MutexGuard<'_, Heap> {
@@ -297,7 +303,9 @@ impl Drop for Allocator {
         let heap = self.heap.get_mut().unwrap_or_else(|e| e.into_inner());
         let (leaked, error) = heap.teardown(&self.driver);
         if leaked > 0 {
-            eprintln!("moonbright: {leaked} allocations were still live when the allocator was dropped");
+            eprintln!(
+                "moonbright: {leaked} allocations were still live when the allocator was dropped"
+            );
         }
         if let Some(e) = error {
             eprintln!("moonbright: teardown: {e}");

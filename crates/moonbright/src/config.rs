@@ -135,7 +135,10 @@ impl Options {
             return bad("unmap_batch_bytes", "must be at least 1".into());
         }
         if !(1..=64).contains(&self.va_reserve_factor) {
-            return bad("va_reserve_factor", format!("{} is not in 1..=64", self.va_reserve_factor));
+            return bad(
+                "va_reserve_factor",
+                format!("{} is not in 1..=64", self.va_reserve_factor),
+            );
         }
         if self.va_limit_factor < self.va_reserve_factor || self.va_limit_factor > 256 {
             return bad(

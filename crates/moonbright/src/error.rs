@@ -28,7 +28,9 @@ pub enum Error {
         short: u64,
     },
     /// A request that no allocator state could satisfy.
-    #[error("cannot allocate {requested} bytes: larger than the cap of {cap} bytes (option `cap`)")]
+    #[error(
+        "cannot allocate {requested} bytes: larger than the cap of {cap} bytes (option `cap`)"
+    )]
     TooLarge {
         /// Bytes asked for.
         requested: u64,

@@ -201,7 +201,10 @@ impl Heap {
         let pages = div_ceil(size, self.lim.page);
         let id = self.map_range(driver, pages, Use::Alloc, size)?;
         let ptr = self.range(id).va;
-        self.record_live(ptr, Live { size, rounded: self.bytes(pages), backing: Backing::Range(id) });
+        self.record_live(
+            ptr,
+            Live { size, rounded: self.bytes(pages), backing: Backing::Range(id) },
+        );
         Ok(ptr)
     }
 
@@ -272,8 +275,16 @@ impl Heap {
 
     /// A mapped range of `pages` pages for `use_`: a cached range of exactly that size as it is,
     /// else chunks from anywhere stitched at a fresh address.
-    fn map_range(&mut self, driver: &dyn Driver, pages: u64, use_: Use, requested: u64) -> Result<RangeId> {
-        if let Some(&(p, seq)) = self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back() {
+    fn map_range(
+        &mut self,
+        driver: &dyn Driver,
+        pages: u64,
+        use_: Use,
+        requested: u64,
+    ) -> Result<RangeId> {
+        if let Some(&(p, seq)) =
+            self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()
+        {
             debug_assert_eq!(p, pages);
             let id = self.uncache(seq);
             self.range_mut(id).use_ = use_;
@@ -330,7 +341,13 @@ impl Heap {
     /// Maps `chunks` back to back at `va` and sets access over the whole range of `len` bytes. On
     /// failure nothing stays mapped and the addresses are recycled; if the rollback unmap fails too,
     /// the mapped part is retired instead, for a later flush to unmap.
-    fn map_chunks(&mut self, driver: &dyn Driver, va: u64, len: u64, chunks: &[ChunkId]) -> std::result::Result<(), DriverError> {
+    fn map_chunks(
+        &mut self,
+        driver: &dyn Driver,
+        va: u64,
+        len: u64,
+        chunks: &[ChunkId],
+    ) -> std::result::Result<(), DriverError> {
         let mut at = va;
         let mut mapped = 0;
         let mut failure = None;
@@ -342,6 +359,7 @@ impl Heap {
                 break;
             }
             self.pool.add_mapping(c);
+            self.stats.mapped_handles.add(1);
             at += len;
             mapped += 1;
         }
@@ -359,6 +377,7 @@ impl Heap {
                 for &c in done {
                     self.pool.remove_mapping(c);
                 }
+                self.stats.mapped_handles.sub(mapped as u64);
             } else {
                 // This part stays mapped and goes through the retired queue, which owns one
                 // mapping of each of these chunks until its unmap succeeds.
@@ -378,7 +397,10 @@ impl Heap {
     /// Gives chunks of a failed request back: those created for it are released, the rest bare.
     fn return_chunks(&mut self, driver: &dyn Driver, chunks: Vec<ChunkId>, created: &[ChunkId]) {
         for c in chunks {
-            if created.contains(&c) && self.pool.get(c).mappings == 0 && self.release_chunk(driver, c).is_ok() {
+            if created.contains(&c)
+                && self.pool.get(c).mappings == 0
+                && self.release_chunk(driver, c).is_ok()
+            {
                 continue;
             }
             self.pool.put_bare(c);
@@ -389,7 +411,12 @@ impl Heap {
     /// retired), then bare chunks too large split by release-and-recreate, then new chunks.
     /// `created` collects the chunks made for this request. On error every chunk gathered is bare
     /// again or released.
-    fn gather(&mut self, driver: &dyn Driver, pages: u64, created: &mut Vec<ChunkId>) -> Result<Vec<ChunkId>> {
+    fn gather(
+        &mut self,
+        driver: &dyn Driver,
+        pages: u64,
+        created: &mut Vec<ChunkId>,
+    ) -> Result<Vec<ChunkId>> {
         let mut got = Vec::new();
         let mut left = pages;
         let outcome = loop {
@@ -451,7 +478,12 @@ impl Heap {
     /// Releases the smallest unmapped bare chunk larger than `need` pages and recreates its memory
     /// as chunks of `need` pages and of the rest, all bare. Flushes retired ranges first if every
     /// candidate is still mapped somewhere.
-    fn split_one(&mut self, driver: &dyn Driver, need: u64, created: &mut Vec<ChunkId>) -> Result<()> {
+    fn split_one(
+        &mut self,
+        driver: &dyn Driver,
+        need: u64,
+        created: &mut Vec<ChunkId>,
+    ) -> Result<()> {
         let c = match self.pool.take_unmapped_bare_larger_than(need) {
             Some(c) => c,
             None => {
@@ -477,7 +509,11 @@ impl Heap {
         Ok(())
     }
 
-    fn create_chunk(&mut self, driver: &dyn Driver, pages: u64) -> std::result::Result<ChunkId, DriverError> {
+    fn create_chunk(
+        &mut self,
+        driver: &dyn Driver,
+        pages: u64,
+    ) -> std::result::Result<ChunkId, DriverError> {
         let handle = driver.create_chunk(self.bytes(pages) as usize)?;
         self.stats.reserved_bytes.add(self.bytes(pages));
         self.stats.chunks.add(1);
@@ -485,7 +521,11 @@ impl Heap {
     }
 
     /// Releases a chunk that is mapped nowhere and not bare; on failure it stays in the pool.
-    fn release_chunk(&mut self, driver: &dyn Driver, c: ChunkId) -> std::result::Result<(), DriverError> {
+    fn release_chunk(
+        &mut self,
+        driver: &dyn Driver,
+        c: ChunkId,
+    ) -> std::result::Result<(), DriverError> {
         let chunk = self.pool.get(c);
         debug_assert_eq!(chunk.mappings, 0);
         driver.release_chunk(chunk.handle)?;
@@ -585,6 +625,7 @@ impl Heap {
                 for &c in &part.chunks {
                     self.pool.remove_mapping(c);
                 }
+                self.stats.mapped_handles.sub(part.chunks.len() as u64);
                 self.stats.retired_ranges.sub(1);
             }
             self.stats.mapped_bytes.sub(run.len);
@@ -625,6 +666,7 @@ impl Heap {
         for (id, slot) in self.ranges.iter_mut().enumerate() {
             if let Some(r) = slot.take() {
                 let len = r.pages * self.lim.page;
+                self.stats.retired_ranges.add(1);
                 self.va.retire(Retired { va: r.va, len, chunks: r.chunks });
                 self.free_range_ids.push(id as RangeId);
             }
@@ -661,10 +703,15 @@ impl Heap {
         let mut spans: Vec<(u64, u64, &str)> = Vec::new();
         let mut cached = 0;
         let mut cached_pages = 0;
-        for (id, r) in self.ranges.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| (i, r))) {
+        for (id, r) in
+            self.ranges.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+        {
             let sum: u64 = r.chunks.iter().map(|&c| self.pool.get(c).pages).sum();
             if sum != r.pages {
-                return Err(format!("range {id} at {:#x}: chunks hold {sum} pages, range has {}", r.va, r.pages));
+                return Err(format!(
+                    "range {id} at {:#x}: chunks hold {sum} pages, range has {}",
+                    r.va, r.pages
+                ));
             }
             for &c in &r.chunks {
                 *owners.entry(c).or_default() += 1;
@@ -676,7 +723,9 @@ impl Heap {
             if let Use::Cached { seq } = r.use_ {
                 cached += 1;
                 cached_pages += r.pages;
-                if self.cached_lru.get(&seq) != Some(&(id as RangeId)) || !self.cached_by_size.contains(&(r.pages, seq)) {
+                if self.cached_lru.get(&seq) != Some(&(id as RangeId))
+                    || !self.cached_by_size.contains(&(r.pages, seq))
+                {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
             }
@@ -685,7 +734,10 @@ impl Heap {
             }
             spans.push((r.va, r.pages * page, "range"));
         }
-        if cached != self.cached_lru.len() || cached != self.cached_by_size.len() || cached_pages != self.cached_pages {
+        if cached != self.cached_lru.len()
+            || cached != self.cached_by_size.len()
+            || cached_pages != self.cached_pages
+        {
             return Err("cache indexes disagree with the ranges".into());
         }
         for r in self.va.retired() {
@@ -700,7 +752,11 @@ impl Heap {
                 return Err(format!("chunk {c} is in {owned} ranges and bare={}", chunk.bare));
             }
             if maps.get(&c).copied().unwrap_or(0) != chunk.mappings {
-                return Err(format!("chunk {c} counts {} mappings, {} found", chunk.mappings, maps.get(&c).copied().unwrap_or(0)));
+                return Err(format!(
+                    "chunk {c} counts {} mappings, {} found",
+                    chunk.mappings,
+                    maps.get(&c).copied().unwrap_or(0)
+                ));
             }
         }
         if owners.keys().any(|&c| !self.pool.iter().any(|(id, _)| id == c)) {
@@ -715,7 +771,10 @@ impl Heap {
         spans.sort();
         for w in spans.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
-                return Err(format!("{} at {:#x} overlaps {} at {:#x}", w[0].2, w[0].0, w[1].2, w[1].0));
+                return Err(format!(
+                    "{} at {:#x} overlaps {} at {:#x}",
+                    w[0].2, w[0].0, w[1].2, w[1].0
+                ));
             }
         }
         for &(a, l, what) in &spans {
@@ -736,16 +795,29 @@ impl Heap {
                 Backing::Range(id) => (id, 0),
                 Backing::Sub { arena, offset } => (arena, offset),
             };
-            let r = self.ranges.get(id as usize).and_then(|r| r.as_ref()).ok_or("live allocation without range")?;
+            let r = self
+                .ranges
+                .get(id as usize)
+                .and_then(|r| r.as_ref())
+                .ok_or("live allocation without range")?;
             if r.va + off != ptr || off + l.rounded > r.pages * page || ptr % SUBPAGE_ALIGN != 0 {
                 return Err(format!("live allocation {ptr:#x} does not fit its range"));
             }
         }
-        if allocated != self.stats.allocated_bytes.current || active != self.stats.active_bytes.current {
+        if allocated != self.stats.allocated_bytes.current
+            || active != self.stats.active_bytes.current
+        {
             return Err("allocated or active byte statistics drifted".into());
         }
         if self.bytes(self.pool.held_pages()) != self.stats.reserved_bytes.current {
             return Err("reserved byte statistic drifted".into());
+        }
+        let handles: u64 = self.pool.iter().map(|(_, c)| c.mappings as u64).sum();
+        if handles != self.stats.mapped_handles.current {
+            return Err(format!(
+                "{handles} chunk mappings, statistics say {}",
+                self.stats.mapped_handles.current
+            ));
         }
         if self.bytes(self.pool.held_pages()) > self.lim.cap {
             return Err("more memory held than the cap allows".into());

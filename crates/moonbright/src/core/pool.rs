@@ -119,10 +119,8 @@ impl Pool {
 
     /// Takes the smallest bare chunk larger than `pages` that is mapped nowhere, for splitting.
     pub fn take_unmapped_bare_larger_than(&mut self, pages: u64) -> Option<ChunkId> {
-        let &(p, id) = self
-            .bare
-            .range((pages + 1, 0)..)
-            .find(|&&(_, id)| self.get(id).mappings == 0)?;
+        let &(p, id) =
+            self.bare.range((pages + 1, 0)..).find(|&&(_, id)| self.get(id).mappings == 0)?;
         Some(self.unbare(p, id))
     }
 
@@ -166,7 +164,10 @@ impl Pool {
             }
         }
         if bare_count != self.bare.len() {
-            return Err(format!("bare index has {} entries, {bare_count} chunks are bare", self.bare.len()));
+            return Err(format!(
+                "bare index has {} entries, {bare_count} chunks are bare",
+                self.bare.len()
+            ));
         }
         if bare_pages != self.bare_pages || held != self.held_pages {
             return Err(format!(

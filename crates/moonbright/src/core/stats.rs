@@ -47,6 +47,8 @@ pub struct Stats {
     pub rounding_waste_bytes: Stat,
     /// Virtual bytes mapped (live, cached and retired ranges).
     pub mapped_bytes: Stat,
+    /// Chunk mappings in place (live, cached and retired ranges): what set access and unmap cost.
+    pub mapped_handles: Stat,
     /// Live allocations.
     pub allocations: Stat,
     /// Physical chunks held.
@@ -91,6 +93,7 @@ impl Stats {
             &mut self.active_bytes,
             &mut self.rounding_waste_bytes,
             &mut self.mapped_bytes,
+            &mut self.mapped_handles,
             &mut self.allocations,
             &mut self.chunks,
             &mut self.cached_ranges,

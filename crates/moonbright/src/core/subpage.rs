@@ -33,7 +33,8 @@ impl SubPage {
         let mut free = BTreeMap::new();
         free.insert(0, len);
         self.by_size.insert((len, id, 0));
-        let prev = self.arenas.insert(id, Arena { len, free, used: BTreeMap::new(), used_bytes: 0 });
+        let prev =
+            self.arenas.insert(id, Arena { len, free, used: BTreeMap::new(), used_bytes: 0 });
         debug_assert!(prev.is_none());
     }
 
@@ -107,14 +108,17 @@ impl SubPage {
     pub fn check(&self) -> Result<(), String> {
         let mut extents = 0;
         for (&id, a) in &self.arenas {
-            let mut all: Vec<(u64, u64, bool)> = a.free.iter().map(|(&o, &l)| (o, l, false)).collect();
+            let mut all: Vec<(u64, u64, bool)> =
+                a.free.iter().map(|(&o, &l)| (o, l, false)).collect();
             all.extend(a.used.iter().map(|(&o, &l)| (o, l, true)));
             all.sort();
             let mut at = 0;
             let mut prev_free = false;
             for (o, l, used) in all {
                 if o != at {
-                    return Err(format!("arena {id}: gap or overlap at offset {at} (next extent at {o})"));
+                    return Err(format!(
+                        "arena {id}: gap or overlap at offset {at} (next extent at {o})"
+                    ));
                 }
                 if !used && prev_free {
                     return Err(format!("arena {id}: adjacent free extents at {o} not coalesced"));
@@ -133,13 +137,18 @@ impl SubPage {
             }
             for (&o, &l) in &a.free {
                 if !self.by_size.contains(&(l, id, o)) {
-                    return Err(format!("arena {id}: free extent ({o}, {l}) missing from the index"));
+                    return Err(format!(
+                        "arena {id}: free extent ({o}, {l}) missing from the index"
+                    ));
                 }
             }
             extents += a.free.len();
         }
         if extents != self.by_size.len() {
-            return Err(format!("size index has {} entries for {extents} free extents", self.by_size.len()));
+            return Err(format!(
+                "size index has {} entries for {extents} free extents",
+                self.by_size.len()
+            ));
         }
         Ok(())
     }

@@ -99,11 +99,7 @@ fn check(kind: CallKind, result: sys::CUresult, call: impl FnOnce() -> String) -
         // next call makes ours current again.
         let _ = CURRENT_DRIVER.try_with(|c| c.set(0));
     }
-    Err(DriverError::new(
-        kind,
-        result as i32,
-        format!("{} -> {}", call(), describe(result)),
-    ))
+    Err(DriverError::new(kind, result as i32, format!("{} -> {}", call(), describe(result))))
 }
 
 /// Whether a usable CUDA driver and at least one device are present: the device count, or why
@@ -115,10 +111,8 @@ pub fn probe() -> Result<i32, String> {
             return Err(no_libcuda());
         }
         // SAFETY: cuInit takes flags by value; the library is present (checked above).
-        check(CallKind::MemInfo, unsafe { sys::cuInit(0) }, || {
-            "cuInit(0)".into()
-        })
-        .map_err(|e| e.message)?;
+        check(CallKind::MemInfo, unsafe { sys::cuInit(0) }, || "cuInit(0)".into())
+            .map_err(|e| e.message)?;
         let mut count = 0;
         // SAFETY: `count` is a valid out-pointer; cuInit has succeeded.
         let r = unsafe { sys::cuDeviceGetCount(&mut count) };
@@ -200,10 +194,7 @@ impl CudaDriver {
             Ok(result) => result,
             Err(p) => Err(setup(
                 code::NOT_INITIALIZED,
-                format!(
-                    "opening CUDA device {device_ordinal} panicked: {}",
-                    panic_text(&p)
-                ),
+                format!("opening CUDA device {device_ordinal} panicked: {}", panic_text(&p)),
             )),
         }
     }
@@ -232,9 +223,7 @@ impl CudaDriver {
         check(kind, unsafe { sys::cuInit(0) }, || "cuInit(0)".into())?;
         let mut count = 0;
         // SAFETY: `count` is a valid out-pointer.
-        check(kind, unsafe { sys::cuDeviceGetCount(&mut count) }, || {
-            "cuDeviceGetCount()".into()
-        })?;
+        check(kind, unsafe { sys::cuDeviceGetCount(&mut count) }, || "cuDeviceGetCount()".into())?;
         if count < 1 {
             return Err(DriverError::new(
                 kind,
@@ -258,9 +247,7 @@ impl CudaDriver {
         let mut ctx: sys::CUcontext = ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer; `device` came from cuDeviceGet.
         let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) };
-        check(kind, r, || {
-            format!("cuDevicePrimaryCtxRetain(device={device})")
-        })?;
+        check(kind, r, || format!("cuDevicePrimaryCtxRetain(device={device})"))?;
         // From here on, dropping `driver` releases the retain, on the error paths too.
         let mut driver = CudaDriver {
             ordinal,
@@ -281,9 +268,7 @@ impl CudaDriver {
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         };
-        check(kind, r, || {
-            format!("cuMemGetAllocationGranularity(device={ordinal}, MINIMUM)")
-        })?;
+        check(kind, r, || format!("cuMemGetAllocationGranularity(device={ordinal}, MINIMUM)"))?;
         if !granularity.is_power_of_two() {
             return Err(DriverError::new(
                 kind,
@@ -375,20 +360,13 @@ impl Driver for CudaDriver {
         // SAFETY: both are valid out-pointers; a context is current.
         let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
         check(kind, r, || "cuMemGetInfo_v2()".into())?;
-        Ok(MemInfo {
-            free: free as u64,
-            total: total as u64,
-        })
+        Ok(MemInfo { free: free as u64, total: total as u64 })
     }
 
     fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
         let kind = CallKind::Reserve;
         self.make_current(kind)?;
-        let alignment = if alignment == 0 {
-            self.granularity
-        } else {
-            alignment
-        };
+        let alignment = if alignment == 0 { self.granularity } else { alignment };
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid out-pointer; the driver checks sizes and alignment.
         let r = unsafe { sys::cuMemAddressReserve(&mut va, size, alignment, 0, 0) };
@@ -403,9 +381,7 @@ impl Driver for CudaDriver {
         self.make_current(kind)?;
         // SAFETY: plain values; the driver validates that they name a reservation.
         let r = unsafe { sys::cuMemAddressFree(base, size) };
-        check(kind, r, || {
-            format!("cuMemAddressFree(va={base:#x}, size={size:#x})")
-        })
+        check(kind, r, || format!("cuMemAddressFree(va={base:#x}, size={size:#x})"))
     }
 
     fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
@@ -415,9 +391,7 @@ impl Driver for CudaDriver {
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully initialised struct.
         let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
-        check(kind, r, || {
-            format!("cuMemCreate(size={size:#x}, device={})", self.ordinal)
-        })?;
+        check(kind, r, || format!("cuMemCreate(size={size:#x}, device={})", self.ordinal))?;
         Ok(ChunkHandle(handle))
     }
 
@@ -435,12 +409,7 @@ impl Driver for CudaDriver {
         // SAFETY: plain values; the driver validates that `va` lies in a reservation and that the
         // handle and size match. Mapping only changes device page tables, not host memory.
         let r = unsafe { sys::cuMemMap(va, size, 0, handle.0, 0) };
-        check(kind, r, || {
-            format!(
-                "cuMemMap(va={va:#x}, size={size:#x}, handle={:#x})",
-                handle.0
-            )
-        })
+        check(kind, r, || format!("cuMemMap(va={va:#x}, size={size:#x}, handle={:#x})", handle.0))
     }
 
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
@@ -453,10 +422,7 @@ impl Driver for CudaDriver {
         // SAFETY: `desc` is one valid descriptor, matching the count of 1.
         let r = unsafe { sys::cuMemSetAccess(va, size, &desc, 1) };
         check(kind, r, || {
-            format!(
-                "cuMemSetAccess(va={va:#x}, size={size:#x}, device={}, RW)",
-                self.ordinal
-            )
+            format!("cuMemSetAccess(va={va:#x}, size={size:#x}, device={}, RW)", self.ordinal)
         })
     }
 
@@ -465,9 +431,7 @@ impl Driver for CudaDriver {
         self.make_current(kind)?;
         // SAFETY: plain values; the driver validates that the range is whole mappings.
         let r = unsafe { sys::cuMemUnmap(va, size) };
-        check(kind, r, || {
-            format!("cuMemUnmap(va={va:#x}, size={size:#x})")
-        })
+        check(kind, r, || format!("cuMemUnmap(va={va:#x}, size={size:#x})"))
     }
 
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
@@ -480,9 +444,7 @@ impl Driver for CudaDriver {
         // SAFETY: `src` is valid for reads of `len` bytes for the whole (synchronous) copy; the
         // driver validates the device range.
         let r = unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast::<c_void>(), len) };
-        check(kind, r, || {
-            format!("cuMemcpyHtoD_v2(dst={dst:#x}, bytes={len:#x})")
-        })
+        check(kind, r, || format!("cuMemcpyHtoD_v2(dst={dst:#x}, bytes={len:#x})"))
     }
 
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()> {
@@ -495,9 +457,7 @@ impl Driver for CudaDriver {
         // SAFETY: `dst` is valid for writes of `len` bytes, borrowed exclusively for the whole
         // (synchronous) copy; any byte pattern is a valid u8. The driver validates the source.
         let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src, len) };
-        check(kind, r, || {
-            format!("cuMemcpyDtoH_v2(src={src:#x}, bytes={len:#x})")
-        })
+        check(kind, r, || format!("cuMemcpyDtoH_v2(src={src:#x}, bytes={len:#x})"))
     }
 
     fn create_stream(&self) -> DriverResult<StreamHandle> {
@@ -524,9 +484,7 @@ impl Driver for CudaDriver {
         // SAFETY: the handle came from `create_stream` (the driver rejects stale ones it can
         // detect); it is only passed back to the driver.
         let r = unsafe { sys::cuStreamDestroy_v2(stream.0 as sys::CUstream) };
-        check(kind, r, || {
-            format!("cuStreamDestroy_v2(stream={:#x})", stream.0)
-        })
+        check(kind, r, || format!("cuStreamDestroy_v2(stream={:#x})", stream.0))
     }
 
     fn create_event(&self) -> DriverResult<EventHandle> {
@@ -546,12 +504,7 @@ impl Driver for CudaDriver {
         // SAFETY: the handles came from `create_event` / `create_stream` (or are the null
         // stream); they are only passed back to the driver.
         let r = unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream) };
-        check(kind, r, || {
-            format!(
-                "cuEventRecord(event={:#x}, stream={:#x})",
-                event.0, stream.0
-            )
-        })
+        check(kind, r, || format!("cuEventRecord(event={:#x}, stream={:#x})", event.0, stream.0))
     }
 
     fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
@@ -571,9 +524,7 @@ impl Driver for CudaDriver {
         self.make_current(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
         let r = unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
-        check(kind, r, || {
-            format!("cuEventDestroy_v2(event={:#x})", event.0)
-        })
+        check(kind, r, || format!("cuEventDestroy_v2(event={:#x})", event.0))
     }
 }
 
@@ -596,9 +547,7 @@ mod tests {
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-            .collect()
+        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
     }
 
     #[test]
@@ -702,10 +651,7 @@ mod tests {
             d.record_event(e, stream).unwrap();
             let deadline = Instant::now() + Duration::from_secs(10);
             while !d.event_done(e).unwrap() {
-                assert!(
-                    Instant::now() < deadline,
-                    "event on an idle stream never completed"
-                );
+                assert!(Instant::now() < deadline, "event on an idle stream never completed");
                 std::thread::sleep(Duration::from_millis(1));
             }
             d.destroy_event(e).unwrap();
@@ -731,17 +677,10 @@ mod tests {
         assert_eq!(e.call, CallKind::Create);
         d.release_chunk(a).unwrap();
         d.free_reservation(base, 2 * g).unwrap();
-        let e = check(
-            CallKind::Unmap,
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
-            || "x()".into(),
-        )
-        .unwrap_err();
+        let e = check(CallKind::Unmap, sys::CUresult::CUDA_ERROR_INVALID_VALUE, || "x()".into())
+            .unwrap_err();
         assert_eq!(e.code, code::INVALID_VALUE);
-        assert!(
-            e.message.starts_with("x() -> CUDA_ERROR_INVALID_VALUE"),
-            "{e}"
-        );
+        assert!(e.message.starts_with("x() -> CUDA_ERROR_INVALID_VALUE"), "{e}");
     }
 
     #[test]

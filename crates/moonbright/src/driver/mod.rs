@@ -265,7 +265,7 @@ impl CallCounts {
     pub fn since(&self, earlier: &CallCounts) -> CallCounts {
         let mut out = CallCounts::default();
         for k in CallKind::ALL {
-            out.0[k as usize] = self.get(k) - earlier.get(k);
+            out.0[k as usize] = self.get(k).saturating_sub(earlier.get(k));
         }
         out
     }
@@ -321,16 +321,19 @@ impl<D: Driver> Instrumented<D> {
     pub fn fail_nth(&self, kind: CallKind, nth: u64, error_code: Option<i32>) {
         assert!(nth >= 1, "fail_nth counts from 1");
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        plans.push(PlannedFailure { kind, remaining: nth, code: error_code.unwrap_or(code::UNKNOWN) });
-        self.armed.fetch_add(1, Ordering::SeqCst);
+        plans.push(PlannedFailure {
+            kind,
+            remaining: nth,
+            code: error_code.unwrap_or(code::UNKNOWN),
+        });
+        self.armed.store(plans.len() as u64, Ordering::SeqCst);
     }
 
     /// Forgets every planned failure that has not fired.
     pub fn clear_failures(&self) {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        let n = plans.len() as u64;
         plans.clear();
-        self.armed.fetch_sub(n, Ordering::SeqCst);
+        self.armed.store(0, Ordering::SeqCst);
     }
 
     /// Counts the call and decides whether it is one planned to fail.
@@ -340,21 +343,23 @@ impl<D: Driver> Instrumented<D> {
             return Ok(());
         }
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        // Every plan of this kind counts the call; all that reach zero fire together, as one
+        // failure of this call.
         let mut fired = None;
-        for (i, plan) in plans.iter_mut().enumerate() {
-            if plan.kind == kind {
-                plan.remaining -= 1;
-                if plan.remaining == 0 && fired.is_none() {
-                    fired = Some(i);
-                }
+        plans.retain_mut(|plan| {
+            if plan.kind != kind {
+                return true;
             }
-        }
+            plan.remaining -= 1;
+            if plan.remaining == 0 {
+                fired.get_or_insert(plan.code);
+                return false;
+            }
+            true
+        });
+        self.armed.store(plans.len() as u64, Ordering::SeqCst);
         match fired {
-            Some(i) => {
-                let plan = plans.remove(i);
-                self.armed.fetch_sub(1, Ordering::SeqCst);
-                Err(DriverError::new(kind, plan.code, "injected failure"))
-            }
+            Some(code) => Err(DriverError::new(kind, code, "injected failure")),
             None => Ok(()),
         }
     }

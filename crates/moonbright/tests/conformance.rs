@@ -1,0 +1,296 @@
+//! One conformance suite, run against every backend: the host backend always, the CUDA backend
+//! when a GPU is present (each CUDA case prints why it skips otherwise).
+
+use moonbright::baseline::NoRemapAllocator;
+use moonbright::scenario::{fragmentation, stamp, verify};
+use moonbright::{Allocator, BackendKind, Error, Options};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const MIB: u64 = 1 << 20;
+
+/// A small host allocator: 64 KiB pages so a few hundred pages cost little.
+fn host_options() -> Options {
+    Options {
+        cap_fraction: 1.0,
+        max_chunk_bytes: 256 << 10,
+        unmap_batch_ranges: 8,
+        ..Options::host(256 * MIB, 64 << 10)
+    }
+}
+
+fn cuda_options() -> Option<Options> {
+    if let Err(why) = moonbright::driver::cuda::probe() {
+        eprintln!("skipping the cuda backend: {why}");
+        return None;
+    }
+    Some(Options {
+        backend: BackendKind::Cuda,
+        cap_bytes: Some(2 << 30),
+        validate: true,
+        unmap_batch_ranges: 8,
+        ..Options::default()
+    })
+}
+
+fn ranges_disjoint(mut spans: Vec<(u64, u64)>) -> bool {
+    spans.sort();
+    spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
+}
+
+fn alignment(a: &Allocator) {
+    let page = a.page_size();
+    let sizes = [1, 255, 256, 257, 4096, 100_000, page - 1, page, page + 1, 3 * page + 5];
+    let mut live = Vec::new();
+    for &s in &sizes {
+        let p = a.malloc(s).unwrap();
+        assert_eq!(p % 256, 0, "size {s}: pointer {p:#x} not 256-aligned");
+        if s >= page {
+            assert_eq!(p % page as u64, 0, "size {s}: pointer {p:#x} not page-aligned");
+        }
+        assert!(a.usable_size(p).unwrap() >= s);
+        live.push((p, s as u64));
+    }
+    assert!(ranges_disjoint(live.clone()), "live allocations overlap");
+    for (p, _) in live {
+        a.free(p).unwrap();
+    }
+}
+
+fn bad_requests_change_nothing(a: &Allocator) {
+    let keep = a.malloc(5000).unwrap();
+    let big = a.malloc(2 * a.page_size() + 3).unwrap();
+    let before = a.stats();
+    assert_eq!(a.malloc(0), Err(Error::ZeroSize));
+    assert!(matches!(a.malloc(a.cap() as usize + 1), Err(Error::TooLarge { .. })));
+    assert!(matches!(a.malloc(usize::MAX), Err(Error::TooLarge { .. })));
+    assert_eq!(a.free(0xdead_0000), Err(Error::UnknownPointer { ptr: 0xdead_0000 }));
+    assert_eq!(
+        a.free(keep + 256),
+        Err(Error::InteriorPointer { ptr: keep + 256, base: keep, offset: 256 })
+    );
+    assert_eq!(
+        a.free(big + 4096),
+        Err(Error::InteriorPointer { ptr: big + 4096, base: big, offset: 4096 })
+    );
+    let mut after = a.stats();
+    after.driver_calls = before.driver_calls;
+    assert_eq!(before, after, "a refused request changed the statistics");
+    a.check_invariants().unwrap();
+    a.free(keep).unwrap();
+    assert_eq!(a.free(keep), Err(Error::DoubleFree { ptr: keep }));
+    a.free(big).unwrap();
+    assert_eq!(a.free(big), Err(Error::DoubleFree { ptr: big }));
+}
+
+fn oom_and_recovery(a: &Allocator) {
+    let page = a.page_size();
+    let size = 5 * page + 123;
+    let mut live = Vec::new();
+    let err = loop {
+        match a.malloc(size) {
+            Ok(p) => {
+                stamp(a, p, size, live.len() as u64).unwrap();
+                live.push(p);
+            }
+            Err(e) => break e,
+        }
+    };
+    let Error::OutOfMemory { requested, allocated, reserved, cap, .. } = err.clone() else {
+        panic!("expected OutOfMemory, got {err:?}");
+    };
+    assert_eq!(requested, size as u64);
+    assert_eq!(allocated, live.len() as u64 * size as u64);
+    assert!(reserved <= cap);
+    let msg = err.to_string();
+    for word in ["out of memory", "allocated", "reserved", "cap"] {
+        assert!(msg.contains(word), "OOM message lacks `{word}`: {msg}");
+    }
+    assert!(a.stats().num_ooms >= 1);
+    for (i, &p) in live.iter().enumerate() {
+        assert!(verify(a, p, size, i as u64).unwrap(), "allocation {i} lost its bytes at OOM");
+    }
+    // Free two scattered allocations: no hole is large enough alone, yet the request succeeds.
+    let p0 = live.remove(0);
+    a.free(p0).unwrap();
+    let pn = live.remove(live.len() / 2);
+    a.free(pn).unwrap();
+    let again = a.malloc(size).unwrap();
+    stamp(a, again, size, 777).unwrap();
+    assert!(verify(a, again, size, 777).unwrap());
+    a.free(again).unwrap();
+    for p in live {
+        a.free(p).unwrap();
+    }
+}
+
+fn random_mix_keeps_contents(a: &Allocator, seed: u64, ops: usize) {
+    let page = a.page_size() as f64;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut live: Vec<(u64, usize, u64)> = Vec::new();
+    let budget = a.cap() / 3;
+    let mut used = 0u64;
+    for id in 0..ops as u64 {
+        if rng.gen_bool(0.55) || live.is_empty() {
+            // Log-uniform from 1 byte to 8 pages.
+            let size = (2f64.powf(rng.gen_range(0.0..(8.0 * page).log2()))) as usize;
+            let size = size.max(1);
+            if used + size as u64 > budget {
+                continue;
+            }
+            let p = a.malloc(size).unwrap();
+            stamp(a, p, size, id).unwrap();
+            live.push((p, size, id));
+            used += size as u64;
+        } else {
+            let (p, size, id) = live.swap_remove(rng.gen_range(0..live.len()));
+            assert!(verify(a, p, size, id).unwrap(), "allocation {id} of {size} bytes corrupted");
+            a.free(p).unwrap();
+            used -= size as u64;
+        }
+    }
+    assert!(ranges_disjoint(live.iter().map(|&(p, s, _)| (p, s as u64)).collect()));
+    for (p, size, id) in live {
+        assert!(verify(a, p, size, id).unwrap());
+        a.free(p).unwrap();
+    }
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.current, 0);
+    assert_eq!(s.allocations.current, 0);
+}
+
+fn frees_from_other_threads(a: &Allocator) {
+    let page = a.page_size();
+    let ptrs: Vec<(u64, usize)> =
+        (0..64).map(|i| (i * 7919 % (3 * page)) + 1).map(|s| (a.malloc(s).unwrap(), s)).collect();
+    for (i, &(p, s)) in ptrs.iter().enumerate() {
+        stamp(a, p, s, i as u64).unwrap();
+    }
+    std::thread::scope(|sc| {
+        for part in ptrs.chunks(16) {
+            sc.spawn(move || {
+                for &(p, _) in part {
+                    a.free(p).unwrap();
+                }
+            });
+        }
+        for t in 0..4u64 {
+            sc.spawn(move || {
+                for i in 0..50u64 {
+                    let size = ((t * 50 + i) * 104_729 % (2 * page as u64)) as usize + 1;
+                    let p = a.malloc(size).unwrap();
+                    stamp(a, p, size, t * 1000 + i).unwrap();
+                    assert!(verify(a, p, size, t * 1000 + i).unwrap());
+                    a.free(p).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(a.stats().allocations.current, 0);
+    a.check_invariants().unwrap();
+}
+
+fn fragmentation_scenario(a: &Allocator) {
+    let block = 4 * a.page_size();
+    let r = fragmentation(a, block, a.cap()).unwrap();
+    assert!(r.big_ok, "moonbright failed the fragmentation scenario: {r:?}");
+    assert!(r.data_intact, "{r:?}");
+    assert!(r.big_request > r.block_bytes && r.big_request < r.freed_bytes);
+    assert!(
+        r.blocks as u64 * r.block_bytes > a.cap() - block as u64,
+        "memory was not filled: {r:?}"
+    );
+}
+
+fn baseline_fails_fragmentation(opts: Options) {
+    let page = {
+        let a = Allocator::new(opts.clone()).unwrap();
+        a.page_size()
+    };
+    let block = 4 * page;
+    let b = NoRemapAllocator::new(&opts, 8 * block as u64).unwrap();
+    let r = fragmentation(&b, block, u64::MAX).unwrap();
+    assert!(!r.big_ok, "the no-remap baseline should fail: {r:?}");
+    assert!(r.big_error.unwrap().contains("out of memory"));
+    assert!(r.data_intact);
+}
+
+fn release_unused_gives_memory_back(a: &Allocator) {
+    let p = a.malloc(10 * a.page_size()).unwrap();
+    let q = a.malloc(1000).unwrap();
+    a.free(p).unwrap();
+    let held = a.stats().reserved_bytes.current;
+    let released = a.release_unused().unwrap();
+    assert!(released >= 10 * a.page_size() as u64);
+    assert_eq!(a.stats().reserved_bytes.current, held - released);
+    a.free(q).unwrap();
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    assert_eq!(a.stats().mapped_bytes.current, 0);
+}
+
+macro_rules! suite {
+    ($backend:ident, $opts:expr) => {
+        mod $backend {
+            use super::*;
+            fn make() -> Option<Allocator> {
+                let opts: Option<Options> = $opts;
+                opts.map(|o| Allocator::new(o).expect("allocator"))
+            }
+            #[test]
+            fn alignment() {
+                if let Some(a) = make() {
+                    super::alignment(&a)
+                }
+            }
+            #[test]
+            fn bad_requests_change_nothing() {
+                if let Some(a) = make() {
+                    super::bad_requests_change_nothing(&a)
+                }
+            }
+            #[test]
+            fn oom_and_recovery() {
+                if let Some(a) = make() {
+                    super::oom_and_recovery(&a)
+                }
+            }
+            #[test]
+            fn random_mix_keeps_contents() {
+                if let Some(a) = make() {
+                    for seed in 0..3 {
+                        super::random_mix_keeps_contents(&a, seed, 600)
+                    }
+                }
+            }
+            #[test]
+            fn frees_from_other_threads() {
+                if let Some(a) = make() {
+                    super::frees_from_other_threads(&a)
+                }
+            }
+            #[test]
+            fn fragmentation_scenario() {
+                if let Some(a) = make() {
+                    super::fragmentation_scenario(&a)
+                }
+            }
+            #[test]
+            fn baseline_fails_fragmentation() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::baseline_fails_fragmentation(o)
+                }
+            }
+            #[test]
+            fn release_unused_gives_memory_back() {
+                if let Some(a) = make() {
+                    super::release_unused_gives_memory_back(&a)
+                }
+            }
+        }
+    };
+}
+
+suite!(host, Some(host_options()));
+suite!(cuda, cuda_options());

@@ -1,0 +1,246 @@
+//! Driver failures injected at every call kind, at many positions: each failed request leaves no
+//! half-mapped range, no leaked chunk or mapping, every live allocation intact, and the allocator
+//! able to go on. The host backend's own books are compared with the allocator's after every step.
+
+use moonbright::driver::code;
+use moonbright::scenario::{stamp, verify};
+use moonbright::{Allocator, CallKind, Error, Options};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const PAGE: usize = 64 << 10;
+
+/// A tight allocator: 96 pages, chunks up to 4 pages, small unmap batches, so a short workload
+/// creates, splits, steals, maps, flushes and reserves.
+fn tight() -> Allocator {
+    let opts = Options {
+        cap_fraction: 1.0,
+        max_chunk_bytes: 4 * PAGE as u64,
+        unmap_batch_ranges: 3,
+        va_reserve_factor: 1,
+        va_limit_factor: 64,
+        ..Options::host(96 * PAGE as u64, PAGE)
+    };
+    Allocator::new(opts).unwrap()
+}
+
+/// The allocator's books agree with the host backend's: chunk bytes and mappings.
+fn books_agree(a: &Allocator) {
+    a.check_invariants().unwrap();
+    let host = a.driver().inner().as_host().unwrap();
+    let s = a.stats();
+    assert_eq!(
+        host.live_chunk_bytes(),
+        s.reserved_bytes.current,
+        "chunk bytes differ from the driver's"
+    );
+    assert_eq!(
+        host.mapping_count() as u64,
+        s.mapped_handles.current,
+        "mappings differ from the driver's"
+    );
+}
+
+/// A seeded workload of mixed sizes. Requests that fail because of an injected fault are counted
+/// and skipped; anything else that fails is a bug.
+fn workload(a: &Allocator, seed: u64, ops: usize) -> usize {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut live: Vec<(u64, usize, u64)> = Vec::new();
+    let mut failed = 0;
+    for id in 0..ops as u64 {
+        if rng.gen_bool(0.6) || live.is_empty() {
+            let size = match rng.gen_range(0..4) {
+                0 => rng.gen_range(1..PAGE),
+                1 => rng.gen_range(PAGE..4 * PAGE),
+                2 => rng.gen_range(4 * PAGE..12 * PAGE),
+                _ => 8 * PAGE,
+            };
+            match a.malloc(size) {
+                Ok(p) => {
+                    stamp(a, p, size, id).unwrap();
+                    live.push((p, size, id));
+                }
+                Err(Error::Driver(e)) => {
+                    assert_eq!(e.message, "injected failure", "{e}");
+                    failed += 1;
+                }
+                Err(Error::OutOfMemory { .. }) => {
+                    // Make room: free the oldest third.
+                    for (p, size, id) in live.drain(..live.len() / 3) {
+                        assert!(verify(a, p, size, id).unwrap());
+                        a.free(p).unwrap();
+                    }
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        } else {
+            let (p, size, id) = live.swap_remove(rng.gen_range(0..live.len()));
+            assert!(verify(a, p, size, id).unwrap(), "allocation {id} lost its bytes");
+            a.free(p).unwrap();
+        }
+        books_agree(a);
+    }
+    for (p, size, id) in live {
+        assert!(verify(a, p, size, id).unwrap(), "allocation {id} lost its bytes");
+        a.free(p).unwrap();
+    }
+    failed
+}
+
+/// After the workload, everything can be given back: no chunk or mapping is stranded.
+fn drains_clean(a: &Allocator) {
+    a.driver().clear_failures();
+    a.release_unused().unwrap();
+    books_agree(a);
+    let host = a.driver().inner().as_host().unwrap();
+    assert_eq!(host.live_chunk_bytes(), 0);
+    assert_eq!(host.mapping_count(), 0);
+}
+
+fn fail_each_position(kind: CallKind) {
+    // How many calls of this kind the workload makes when nothing fails.
+    let calls = {
+        let a = tight();
+        workload(&a, 7, 250);
+        a.stats().driver_calls.get(kind)
+    };
+    assert!(calls > 0, "the workload makes no {kind} call");
+    let positions: Vec<u64> = if calls <= 40 {
+        (1..=calls).collect()
+    } else {
+        (1..=calls).step_by((calls / 40) as usize).collect()
+    };
+    let mut seen_failures = 0;
+    for n in positions {
+        let a = tight();
+        a.driver().fail_nth(kind, n, None);
+        seen_failures += workload(&a, 7, 250);
+        drains_clean(&a);
+        // Unmap failures are deferred: they surface as a recorded error, not a failed request.
+        if kind == CallKind::Unmap {
+            let _ = a.take_deferred_error();
+        }
+    }
+    if !matches!(kind, CallKind::Unmap | CallKind::Release) {
+        assert!(seen_failures > 0, "no request failed from an injected {kind} failure");
+    }
+}
+
+#[test]
+fn create_failures() {
+    fail_each_position(CallKind::Create);
+}
+
+#[test]
+fn map_failures() {
+    fail_each_position(CallKind::Map);
+}
+
+#[test]
+fn set_access_failures() {
+    fail_each_position(CallKind::SetAccess);
+}
+
+#[test]
+fn unmap_failures() {
+    fail_each_position(CallKind::Unmap);
+}
+
+#[test]
+fn release_failures() {
+    fail_each_position(CallKind::Release);
+}
+
+#[test]
+fn reserve_failures() {
+    fail_each_position(CallKind::Reserve);
+}
+
+#[test]
+fn a_failed_map_rollback_that_cannot_unmap_is_retired_not_leaked() {
+    let a = tight();
+    // The third map of a stitched range fails, then the rollback unmap fails too.
+    let p = a.malloc(5 * PAGE).unwrap();
+    a.free(p).unwrap();
+    a.driver().fail_nth(CallKind::Map, 2, None);
+    a.driver().fail_nth(CallKind::Unmap, 1, None);
+    assert!(matches!(a.malloc(7 * PAGE), Err(Error::Driver(_))));
+    books_agree(&a);
+    assert!(a.stats().retired_ranges.current >= 1);
+    a.flush().unwrap();
+    books_agree(&a);
+    drains_clean(&a);
+}
+
+#[test]
+fn deferred_unmap_failure_is_recorded_and_retried() {
+    let a = tight();
+    let ptrs: Vec<u64> = (0..4).map(|_| a.malloc(3 * PAGE).unwrap()).collect();
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    // Steal the cached ranges, then let the batch's first unmap fail.
+    a.driver().fail_nth(CallKind::Unmap, 1, None);
+    let big = a.malloc(12 * PAGE).unwrap();
+    for _ in 0..3 {
+        let q = a.malloc(PAGE).unwrap();
+        a.free(q).unwrap();
+    }
+    a.flush().ok();
+    let err = a.take_deferred_error().or_else(|| {
+        a.flush().err().map(|e| match e {
+            Error::Driver(d) => d,
+            other => panic!("{other}"),
+        })
+    });
+    assert!(err.is_some() || a.stats().deferred_errors > 0, "the unmap failure went unnoticed");
+    a.flush().unwrap();
+    books_agree(&a);
+    assert_eq!(a.stats().retired_ranges.current, 0);
+    a.free(big).unwrap();
+    drains_clean(&a);
+}
+
+#[test]
+fn driver_out_of_memory_becomes_an_oom_error() {
+    let a = tight();
+    a.driver().fail_nth(CallKind::Create, 1, Some(code::OUT_OF_MEMORY));
+    let err = a.malloc(2 * PAGE).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    books_agree(&a);
+    let p = a.malloc(2 * PAGE).unwrap();
+    a.free(p).unwrap();
+    drains_clean(&a);
+}
+
+#[test]
+fn release_unused_failure_keeps_the_chunk() {
+    let a = tight();
+    let p = a.malloc(6 * PAGE).unwrap();
+    a.free(p).unwrap();
+    a.driver().fail_nth(CallKind::Release, 1, None);
+    assert!(a.release_unused().is_err());
+    books_agree(&a);
+    assert!(a.stats().reserved_bytes.current > 0);
+    drains_clean(&a);
+}
+
+#[test]
+fn setup_failure_is_an_error_not_a_panic() {
+    let opts = Options { host_page_size: 3 << 20, ..Options::host(1 << 30, 2 << 20) };
+    assert!(matches!(
+        Allocator::new(opts),
+        Err(Error::InvalidOption { name: "host_page_size", .. })
+    ));
+}
+
+#[test]
+fn teardown_failures_are_reported_not_panicked() {
+    for kind in [CallKind::FreeReservation, CallKind::Unmap, CallKind::Release] {
+        let a = tight();
+        let _live = a.malloc(3 * PAGE).unwrap();
+        let _small = a.malloc(100).unwrap();
+        a.driver().fail_nth(kind, 1, None);
+        drop(a);
+    }
+}
