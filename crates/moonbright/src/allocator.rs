@@ -267,6 +267,11 @@ impl Allocator {
         self.heap().limits().cap
     }
 
+    /// `"cuda"` or `"host"`.
+    pub fn backend_name(&self) -> &'static str {
+        self.driver.name()
+    }
+
     /// The page size (mapping granularity) in bytes.
     pub fn page_size(&self) -> usize {
         self.driver.granularity()

@@ -9,9 +9,8 @@ pub enum Error {
     /// Not enough free memory, counting every free page wherever it is.
     #[error(
         "out of memory: tried to allocate {requested} bytes; {allocated} bytes are allocated, \
-         {reserved} bytes reserved, of which {free_in_pool} free in the pool; the cap is {cap} bytes. \
-         Free memory is never unusable because it is scattered, so this request needs {short} more bytes \
-         to be freed, or a larger cap (option `cap`)"
+         {reserved} bytes reserved, of which {free_in_pool} are free; the cap is {cap} bytes. \
+         {short} more bytes must be freed for this request to succeed, or the cap raised (option `cap`)"
     )]
     OutOfMemory {
         /// Bytes asked for.
