@@ -1,0 +1,337 @@
+/*
+ * moonbright.h: the C API of MoonBright, a GPU memory allocator on the CUDA virtual-memory API.
+ *
+ * Generated from crates/moonbright-capi/src/lib.rs by cbindgen; do not edit by hand.
+ */
+
+#ifndef MOONBRIGHT_H
+#define MOONBRIGHT_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+/**
+ * Success.
+ */
+#define MB_OK 0
+
+/**
+ * A NULL pointer argument, a size of 0, or a bad option value (the last error names it).
+ */
+#define MB_ERR_INVALID_ARGUMENT 1
+
+/**
+ * Not enough free memory under the cap (or no virtual address space left); freeing memory or a
+ * larger cap may help.
+ */
+#define MB_ERR_OUT_OF_MEMORY 2
+
+/**
+ * A request larger than the cap: it can never succeed with this allocator.
+ */
+#define MB_ERR_TOO_LARGE 3
+
+/**
+ * A free of a pointer this allocator did not return, of one freed already, or of an address
+ * inside an allocation.
+ */
+#define MB_ERR_INVALID_POINTER 4
+
+/**
+ * A driver call failed; the allocator's state is as it was before the request.
+ */
+#define MB_ERR_DRIVER 5
+
+/**
+ * No backend could be opened (no CUDA driver or device, say).
+ */
+#define MB_ERR_NO_BACKEND 6
+
+/**
+ * A bug in MoonBright (a caught panic); the last error says where.
+ */
+#define MB_ERR_INTERNAL 7
+
+/**
+ * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
+ */
+#define MB_BACKEND_AUTO 0
+
+/**
+ * `mb_options.backend`: the CUDA driver.
+ */
+#define MB_BACKEND_CUDA 1
+
+/**
+ * `mb_options.backend`: the host backend, a CPU model of the CUDA virtual-memory API (for tests).
+ */
+#define MB_BACKEND_HOST 2
+
+/**
+ * An allocator (opaque). Made by `mb_create`, destroyed by `mb_destroy`. Any number of threads
+ * may call `mb_malloc`, `mb_free` and the other functions on one allocator at once; only
+ * `mb_destroy` must not overlap any other call on it.
+ */
+typedef struct mb_allocator mb_allocator;
+
+/**
+ * Options of an allocator. Fill with `mb_options_default`, then change what you need. A field
+ * of 0 means its default everywhere (except `backend` and `device`, where 0 is itself a value).
+ */
+typedef struct mb_options {
+  /**
+   * Which backend: `MB_BACKEND_AUTO` (0), `MB_BACKEND_CUDA` (1) or `MB_BACKEND_HOST` (2).
+   */
+  int backend;
+  /**
+   * CUDA device ordinal.
+   */
+  int32_t device;
+  /**
+   * Cap on physical bytes held; 0: 95% of the device's total memory.
+   */
+  uint64_t cap_bytes;
+  /**
+   * Host backend: page size in bytes, a power of two from 4096 to 1 GiB; 0: 2 MiB.
+   */
+  uint64_t host_page_size;
+  /**
+   * Host backend: bytes of simulated device memory; 0: 64 GiB.
+   */
+  uint64_t host_capacity;
+  /**
+   * Largest physical chunk in bytes, a power of two; 0: 64 MiB.
+   */
+  uint64_t max_chunk_bytes;
+  /**
+   * Retired ranges that trigger an unmap batch; 0: 64.
+   */
+  uint64_t unmap_batch_ranges;
+} mb_options;
+
+/**
+ * One statistic: its current value, its peak, and its cumulative increases and decreases.
+ */
+typedef struct mb_stat {
+  /**
+   * Now.
+   */
+  uint64_t current;
+  /**
+   * Highest `current` since the allocator was created.
+   */
+  uint64_t peak;
+  /**
+   * Sum of all increases.
+   */
+  uint64_t allocated;
+  /**
+   * Sum of all decreases.
+   */
+  uint64_t freed;
+} mb_stat;
+
+/**
+ * A snapshot of an allocator's statistics (`mb_get_stats`).
+ */
+typedef struct mb_stats {
+  /**
+   * Bytes of live allocations, as requested.
+   */
+  struct mb_stat allocated_bytes;
+  /**
+   * Bytes of physical memory held.
+   */
+  struct mb_stat reserved_bytes;
+  /**
+   * Bytes of live allocations after rounding (to 256 B below a page, to pages above).
+   */
+  struct mb_stat active_bytes;
+  /**
+   * Rounded minus requested bytes of live allocations.
+   */
+  struct mb_stat rounding_waste_bytes;
+  /**
+   * Virtual bytes mapped (live, cached and retired ranges).
+   */
+  struct mb_stat mapped_bytes;
+  /**
+   * Live allocations.
+   */
+  struct mb_stat allocations;
+  /**
+   * Allocations served by a cached range without any driver call.
+   */
+  uint64_t cache_hits;
+  /**
+   * Cached ranges broken up to reuse their pages elsewhere.
+   */
+  uint64_t cached_ranges_stolen;
+  /**
+   * Chunks released and recreated smaller under pressure.
+   */
+  uint64_t chunk_splits;
+  /**
+   * Unmap batches flushed.
+   */
+  uint64_t unmap_batches;
+  /**
+   * Requests refused for lack of memory.
+   */
+  uint64_t num_ooms;
+  /**
+   * Driver errors met outside a request, recovered by retrying later.
+   */
+  uint64_t deferred_errors;
+  /**
+   * `cuMemMap` calls.
+   */
+  uint64_t map_calls;
+  /**
+   * `cuMemUnmap` calls.
+   */
+  uint64_t unmap_calls;
+  /**
+   * `cuMemSetAccess` calls.
+   */
+  uint64_t set_access_calls;
+  /**
+   * `cuMemCreate` calls.
+   */
+  uint64_t create_calls;
+  /**
+   * `cuMemRelease` calls.
+   */
+  uint64_t release_calls;
+  /**
+   * `cuMemAddressReserve` calls.
+   */
+  uint64_t reserve_calls;
+} mb_stats;
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
+ * Fills `*out` with the default options: the auto backend on device 0, and every other field at
+ * its default value (written out, so a caller can read it). Does nothing when `out` is NULL.
+ *
+ * # Safety
+ * `out` is NULL or valid for a write of an `mb_options`.
+ */
+void mb_options_default(struct mb_options *out);
+
+/**
+ * Creates an allocator with `*opts` (NULL: the defaults) and stores it in `*out`. Nothing is
+ * reserved from the device until the first `mb_malloc`.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for a NULL `out` or a bad option (the last error names it),
+ * `MB_ERR_NO_BACKEND` when the backend cannot be opened, `MB_ERR_DRIVER` when a driver call fails.
+ *
+ * # Safety
+ * `opts` is NULL or points to a valid `mb_options`; `out` is NULL or valid for a write of a
+ * pointer.
+ */
+int mb_create(const struct mb_options *opts, struct mb_allocator **out);
+
+/**
+ * Destroys an allocator, giving all its memory back to the driver. Allocations still live are
+ * freed with it (a count of them is printed to stderr). NULL is accepted and does nothing. No
+ * other call may use the handle during or after this one.
+ *
+ * # Safety
+ * `alloc` is NULL or a handle from `mb_create` not yet destroyed, which no other call uses now
+ * or later.
+ */
+int mb_destroy(struct mb_allocator *alloc);
+
+/**
+ * Allocates `size` bytes of device memory and stores its device address in `*out_ptr`. The
+ * address is aligned to at least 256 bytes, and to the page from a page up.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for NULL arguments or a size of 0, `MB_ERR_TOO_LARGE` for a
+ * size over the cap, `MB_ERR_OUT_OF_MEMORY` when not enough memory is free, `MB_ERR_DRIVER` when
+ * a driver call fails.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_ptr` is NULL or valid for a write.
+ */
+int mb_malloc(struct mb_allocator *alloc, size_t size, uint64_t *out_ptr);
+
+/**
+ * Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
+ *
+ * Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed
+ * already, or one inside an allocation; `MB_ERR_INVALID_ARGUMENT` for a NULL `alloc`.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_free(struct mb_allocator *alloc, uint64_t ptr);
+
+/**
+ * Gives every physical page no allocation uses back to the driver (like
+ * `torch.cuda.empty_cache`). Stores the bytes released in `*out_bytes` unless it is NULL.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_release_unused(struct mb_allocator *alloc, uint64_t *out_bytes);
+
+/**
+ * Unmaps every retired range now rather than at the next unmap batch.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_flush(struct mb_allocator *alloc);
+
+/**
+ * Stores a snapshot of the allocator's statistics in `*out`.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write of an
+ * `mb_stats`.
+ */
+int mb_get_stats(struct mb_allocator *alloc, struct mb_stats *out);
+
+/**
+ * Stores the cap on physical bytes the allocator may hold in `*out_bytes`.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_get_cap(struct mb_allocator *alloc, uint64_t *out_bytes);
+
+/**
+ * Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_get_page_size(struct mb_allocator *alloc, uint64_t *out_bytes);
+
+/**
+ * The message of the last failed call on this thread, or "" when the last call succeeded. Every
+ * call except `mb_last_error`, `mb_status_string` and `mb_version` clears it first. The string
+ * is valid until the next such call on this thread; copy it to keep it. Never NULL.
+ */
+const char *mb_last_error(void);
+
+/**
+ * A short static description of a status code ("ok", "out of memory", ...); "unknown status"
+ * for a code that is none of them. Never NULL.
+ */
+const char *mb_status_string(int status);
+
+/**
+ * MoonBright's version, as "MAJOR.MINOR.PATCH". Static; never NULL.
+ */
+const char *mb_version(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* MOONBRIGHT_H */

@@ -1,0 +1,367 @@
+//! The C API driven through its Rust-visible `extern "C"` functions on the host backend: the
+//! happy path, every status a call can return, and the per-thread last error.
+
+use std::ffi::CStr;
+use std::ptr;
+
+use moonbright_capi::*;
+
+const MIB: u64 = 1 << 20;
+
+fn host_options() -> mb_options {
+    let mut o = mb_options::default();
+    // SAFETY: `o` is a live local.
+    unsafe { mb_options_default(&mut o) };
+    o.backend = MB_BACKEND_HOST;
+    o.host_capacity = 256 * MIB;
+    o.host_page_size = 64 << 10;
+    o
+}
+
+fn create(o: &mb_options) -> *mut mb_allocator {
+    let mut a = ptr::null_mut();
+    // SAFETY: `o` and `a` are live locals.
+    assert_eq!(unsafe { mb_create(o, &mut a) }, MB_OK, "{}", last_error());
+    assert!(!a.is_null());
+    a
+}
+
+fn last_error() -> String {
+    // SAFETY: `mb_last_error` returns a valid NUL-terminated string, never NULL.
+    unsafe { CStr::from_ptr(mb_last_error()) }.to_str().unwrap().to_owned()
+}
+
+fn stats(a: *mut mb_allocator) -> mb_stats {
+    let mut s = mb_stats::default();
+    // SAFETY: `a` is a live handle (the caller's), `s` a live local.
+    assert_eq!(unsafe { mb_get_stats(a, &mut s) }, MB_OK, "{}", last_error());
+    s
+}
+
+#[test]
+fn create_malloc_free_stats_destroy() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let sizes = [100usize, 64 << 10, 3 << 20];
+        let mut ptrs = Vec::new();
+        for &size in &sizes {
+            let mut p = 0u64;
+            assert_eq!(mb_malloc(a, size, &mut p), MB_OK, "{}", last_error());
+            assert_ne!(p, 0);
+            assert_eq!(p % 256, 0);
+            ptrs.push(p);
+        }
+        let s = stats(a);
+        assert_eq!(s.allocations.current, 3);
+        assert_eq!(s.allocated_bytes.current, sizes.iter().sum::<usize>() as u64);
+        assert!(s.active_bytes.current >= s.allocated_bytes.current);
+        assert_eq!(
+            s.rounding_waste_bytes.current,
+            s.active_bytes.current - s.allocated_bytes.current
+        );
+        assert!(s.reserved_bytes.current >= s.active_bytes.current);
+        assert!(s.map_calls > 0 && s.create_calls > 0 && s.reserve_calls > 0);
+        assert!(s.set_access_calls > 0);
+
+        let mut page = 0;
+        assert_eq!(mb_get_page_size(a, &mut page), MB_OK);
+        assert_eq!(page, 64 << 10);
+        let mut cap = 0;
+        assert_eq!(mb_get_cap(a, &mut cap), MB_OK);
+        assert!(cap > 0 && cap <= 256 * MIB && cap % page == 0);
+
+        for &p in &ptrs {
+            assert_eq!(mb_free(a, p), MB_OK, "{}", last_error());
+        }
+        let s = stats(a);
+        assert_eq!(s.allocations.current, 0);
+        assert_eq!(s.allocations.peak, 3);
+        assert_eq!(s.allocations.allocated, 3);
+        assert_eq!(s.allocations.freed, 3);
+        assert_eq!(s.allocated_bytes.current, 0);
+
+        assert_eq!(mb_flush(a), MB_OK);
+        let mut released = u64::MAX;
+        assert_eq!(mb_release_unused(a, &mut released), MB_OK, "{}", last_error());
+        assert_eq!(stats(a).reserved_bytes.current, 0);
+        assert!(released > 0);
+        assert_eq!(mb_release_unused(a, ptr::null_mut()), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+        assert_eq!(last_error(), "");
+    }
+}
+
+#[test]
+fn destroy_frees_what_is_still_live() {
+    // SAFETY: `a` is a live handle until `mb_destroy`; `p` is a live local.
+    unsafe {
+        let a = create(&host_options());
+        for size in [100usize, 64 << 10, 3 << 20] {
+            let mut p = 0u64;
+            assert_eq!(mb_malloc(a, size, &mut p), MB_OK, "{}", last_error());
+        }
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 5 << 20, &mut p), MB_OK);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK, "{}", last_error());
+    }
+}
+
+#[test]
+fn defaults_are_written_out() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let mut o = mb_options { backend: 9, device: 9, cap_bytes: 9, ..Default::default() };
+        mb_options_default(&mut o);
+        assert_eq!(o.backend, MB_BACKEND_AUTO);
+        assert_eq!(o.device, 0);
+        assert_eq!(o.cap_bytes, 0);
+        assert_eq!(o.host_page_size, 2 * MIB);
+        assert!(o.host_capacity > 0 && o.max_chunk_bytes > 0 && o.unmap_batch_ranges > 0);
+        // NULL is ignored.
+        mb_options_default(ptr::null_mut());
+    }
+}
+
+#[test]
+fn null_arguments_are_invalid() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut p = 0u64;
+        let mut s = mb_stats::default();
+        let mut n = 0u64;
+        let cases: Vec<(&str, i32)> = vec![
+            ("out", mb_create(&host_options(), ptr::null_mut())),
+            ("alloc", mb_malloc(ptr::null_mut(), 16, &mut p)),
+            ("out_ptr", mb_malloc(a, 16, ptr::null_mut())),
+            ("alloc", mb_free(ptr::null_mut(), 0x1000)),
+            ("alloc", mb_release_unused(ptr::null_mut(), &mut n)),
+            ("alloc", mb_flush(ptr::null_mut())),
+            ("alloc", mb_get_stats(ptr::null_mut(), &mut s)),
+            ("out", mb_get_stats(a, ptr::null_mut())),
+            ("alloc", mb_get_cap(ptr::null_mut(), &mut n)),
+            ("out_bytes", mb_get_cap(a, ptr::null_mut())),
+            ("alloc", mb_get_page_size(ptr::null_mut(), &mut n)),
+            ("out_bytes", mb_get_page_size(a, ptr::null_mut())),
+        ];
+        for (i, (arg, status)) in cases.into_iter().enumerate() {
+            assert_eq!(status, MB_ERR_INVALID_ARGUMENT, "case {i}");
+            let _ = arg;
+        }
+        // Messages name the argument.
+        assert_eq!(mb_malloc(a, 16, ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`out_ptr` is NULL"), "{}", last_error());
+        assert_eq!(mb_create(ptr::null(), ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`out`"), "{}", last_error());
+        // Outputs are left alone on failure.
+        assert_eq!(mb_malloc(a, 0, &mut p), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(p, 0);
+        assert_eq!(mb_destroy(ptr::null_mut()), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn size_zero_is_invalid() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 0, &mut p), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("0 bytes"), "{}", last_error());
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn size_over_the_cap_is_too_large() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, (1u64 << 30) as usize, &mut p), MB_ERR_TOO_LARGE);
+        assert!(last_error().contains("larger than the cap"), "{}", last_error());
+        assert_eq!(mb_malloc(a, usize::MAX, &mut p), MB_ERR_TOO_LARGE);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn exhausting_memory_is_out_of_memory() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut ptrs = Vec::new();
+        let status = loop {
+            let mut p = 0u64;
+            match mb_malloc(a, (64 * MIB) as usize, &mut p) {
+                MB_OK => ptrs.push(p),
+                other => break other,
+            }
+            assert!(ptrs.len() < 8, "256 MiB of memory took more than 8 allocations of 64 MiB");
+        };
+        assert_eq!(status, MB_ERR_OUT_OF_MEMORY, "{}", last_error());
+        assert!(last_error().contains("out of memory"), "{}", last_error());
+        assert_eq!(ptrs.len(), 3);
+        assert_eq!(stats(a).num_ooms, 1);
+        // Freeing one makes room again.
+        assert_eq!(mb_free(a, ptrs.pop().unwrap()), MB_OK);
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, (64 * MIB) as usize, &mut p), MB_OK, "{}", last_error());
+        ptrs.push(p);
+        for p in ptrs {
+            assert_eq!(mb_free(a, p), MB_OK);
+        }
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn bad_frees_are_invalid_pointers() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 1 << 20, &mut p), MB_OK);
+        assert_eq!(mb_free(a, p + 4096), MB_ERR_INVALID_POINTER);
+        assert!(last_error().contains("into the live allocation"), "{}", last_error());
+        assert_eq!(mb_free(a, 0xdead_0000), MB_ERR_INVALID_POINTER);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(mb_free(a, p), MB_ERR_INVALID_POINTER);
+        assert!(!last_error().is_empty());
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn bad_options_are_invalid_arguments_that_name_the_option() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let cases: Vec<(&str, mb_options)> = vec![
+            ("host_page_size", mb_options { host_page_size: 3 * MIB, ..host_options() }),
+            ("host_page_size", mb_options { host_page_size: 1024, ..host_options() }),
+            ("host_capacity", mb_options { host_capacity: 1, ..host_options() }),
+            ("max_chunk_bytes", mb_options { max_chunk_bytes: 3 * MIB, ..host_options() }),
+            ("device", mb_options { device: -1, ..host_options() }),
+            ("backend", mb_options { backend: 3, ..host_options() }),
+            ("backend", mb_options { backend: -1, ..host_options() }),
+        ];
+        for (name, o) in cases {
+            let mut a = ptr::null_mut();
+            assert_eq!(mb_create(&o, &mut a), MB_ERR_INVALID_ARGUMENT, "{name}");
+            assert!(a.is_null());
+            let msg = last_error();
+            assert!(msg.contains(&format!("`{name}`")), "{name}: {msg}");
+        }
+    }
+}
+
+#[test]
+fn a_cap_below_a_page_is_invalid() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let o = mb_options { cap_bytes: 1000, ..host_options() };
+        let mut a = ptr::null_mut();
+        assert_eq!(mb_create(&o, &mut a), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`cap`"), "{}", last_error());
+        let o = mb_options { cap_bytes: 32 * MIB, ..host_options() };
+        let a = create(&o);
+        let mut cap = 0;
+        assert_eq!(mb_get_cap(a, &mut cap), MB_OK);
+        assert_eq!(cap, 32 * MIB);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn last_error_is_per_thread() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        let a = create(&host_options());
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 0, &mut p), MB_ERR_INVALID_ARGUMENT);
+        let here = last_error();
+        assert!(here.contains("0 bytes"));
+        let there = std::thread::spawn(|| {
+            let before = last_error();
+            assert_eq!(mb_flush(ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+            (before, last_error())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(there.0, "", "a new thread starts with no error");
+        assert!(there.1.contains("`alloc` is NULL"), "{}", there.1);
+        assert_eq!(last_error(), here, "another thread's failure leaves this one's error");
+        // A successful call clears it.
+        assert_eq!(mb_flush(a), MB_OK);
+        assert_eq!(last_error(), "");
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn one_allocator_serves_many_threads() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; strings come from `mb_*` functions.
+    unsafe {
+        struct Handle(*mut mb_allocator);
+        // SAFETY: an `mb_allocator` may be used from any thread (`Allocator` is `Send + Sync`).
+        unsafe impl Send for Handle {}
+        // SAFETY: as above.
+        unsafe impl Sync for Handle {}
+        let a = Handle(create(&host_options()));
+        std::thread::scope(|s| {
+            for t in 0..4usize {
+                let a = &a;
+                s.spawn(move || {
+                    for i in 0..50usize {
+                        let mut p = 0u64;
+                        assert_eq!(mb_malloc(a.0, 1000 + 4096 * (t + i), &mut p), MB_OK);
+                        assert_eq!(mb_free(a.0, p), MB_OK);
+                    }
+                });
+            }
+        });
+        assert_eq!(stats(a.0).allocations.allocated, 200);
+        assert_eq!(mb_destroy(a.0), MB_OK);
+    }
+}
+
+#[test]
+fn strings() {
+    // SAFETY: both return static NUL-terminated strings.
+    let version = unsafe { CStr::from_ptr(mb_version()) }.to_str().unwrap();
+    assert_eq!(version, env!("CARGO_PKG_VERSION"));
+    let statuses = [
+        MB_OK,
+        MB_ERR_INVALID_ARGUMENT,
+        MB_ERR_OUT_OF_MEMORY,
+        MB_ERR_TOO_LARGE,
+        MB_ERR_INVALID_POINTER,
+        MB_ERR_DRIVER,
+        MB_ERR_NO_BACKEND,
+        MB_ERR_INTERNAL,
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for s in statuses {
+        // SAFETY: as above.
+        let text = unsafe { CStr::from_ptr(mb_status_string(s)) }.to_str().unwrap();
+        assert!(!text.is_empty() && text != "unknown status", "{s}");
+        assert!(seen.insert(text), "{text} twice");
+    }
+    // SAFETY: as above.
+    let unknown = unsafe { CStr::from_ptr(mb_status_string(99)) }.to_str().unwrap();
+    assert_eq!(unknown, "unknown status");
+}
