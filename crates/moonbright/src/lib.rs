@@ -25,5 +25,5 @@ pub(crate) mod sync;
 pub use allocator::{Allocator, Backend};
 pub use config::{BackendKind, Options};
 pub use core::stats::{Stat, Stats};
-pub use driver::{CallKind, DevicePtr, DriverError};
+pub use driver::{CallKind, DevicePtr, DriverError, StreamHandle};
 pub use error::{Error, Result};
