@@ -8,6 +8,7 @@ use std::fmt;
 
 use crate::config::{BackendKind, Options};
 use crate::core::heap::{Heap, Limits};
+use crate::core::history::{HistoryEvent, SegmentInfo};
 use crate::core::stats::Stats;
 use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::host::{HostConfig, HostDriver};
@@ -260,6 +261,22 @@ impl Allocator {
         let mut s = self.heap().stats().clone();
         s.driver_calls = self.driver.counts();
         s
+    }
+
+    /// Starts recording up to `max_events` allocation events (the oldest dropped first), or stops
+    /// recording with `None`; for snapshots PyTorch's memory viewer opens.
+    pub fn record_history(&self, max_events: Option<usize>) {
+        self.heap().set_history(max_events);
+    }
+
+    /// The events recorded since `record_history` was switched on.
+    pub fn history(&self) -> Vec<HistoryEvent> {
+        self.heap().history()
+    }
+
+    /// Every mapped range and its blocks, in address order.
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        self.heap().segments()
     }
 
     /// Resets every peak to its current value.

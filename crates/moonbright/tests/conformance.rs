@@ -294,3 +294,25 @@ macro_rules! suite {
 
 suite!(host, Some(host_options()));
 suite!(cuda, cuda_options());
+
+#[test]
+fn history_and_segments_describe_what_happened() {
+    let a = Allocator::new(host_options()).unwrap();
+    a.record_history(Some(100));
+    let big = a.malloc(3 * a.page_size() + 1).unwrap();
+    let small = a.malloc(1000).unwrap();
+    a.free(big).unwrap();
+    let names: Vec<&str> = a.history().iter().map(|e| e.action.torch_name()).collect();
+    assert_eq!(
+        names,
+        ["segment_map", "alloc", "segment_map", "alloc", "free_requested", "free_completed"]
+    );
+    let segs = a.segments();
+    assert_eq!(segs.len(), 2);
+    let arena = segs.iter().find(|s| s.kind == "arena").unwrap();
+    assert_eq!(arena.blocks[0].addr, small);
+    assert_eq!(arena.blocks[0].requested_size, 1000);
+    assert_eq!(arena.blocks.iter().map(|b| b.size).sum::<u64>(), arena.size);
+    assert_eq!(segs.iter().find(|s| s.addr == big).unwrap().kind, "cached");
+    a.free(small).unwrap();
+}

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
+use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
 use super::pool::{chunk_plan, ChunkId, Pool};
 use super::stats::Stats;
 use super::subpage::{SubPage, SUBPAGE_ALIGN};
@@ -92,6 +93,8 @@ pub(crate) struct Heap {
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
+    /// Recorded events, when switched on.
+    history: Option<History>,
 }
 
 fn div_ceil(a: u64, b: u64) -> u64 {
@@ -117,7 +120,85 @@ impl Heap {
             recent_free_set: HashSet::new(),
             stats: Stats::default(),
             deferred_error: None,
+            history: None,
         }
+    }
+
+    /// Starts recording up to `max` events (dropping the oldest), or stops with `None`.
+    pub fn set_history(&mut self, max: Option<usize>) {
+        self.history = max.map(|m| History::new(m, std::time::Instant::now()));
+    }
+
+    /// The events recorded so far.
+    pub fn history(&self) -> Vec<HistoryEvent> {
+        self.history.as_ref().map(History::events).unwrap_or_default()
+    }
+
+    fn note(&mut self, action: HistoryAction, addr: u64, size: u64) {
+        if let Some(h) = &mut self.history {
+            h.push(action, addr, size, 0);
+        }
+    }
+
+    /// Every mapped range with its blocks, in address order.
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        let mut by_range: HashMap<RangeId, Vec<BlockInfo>> = HashMap::new();
+        for (&ptr, l) in &self.live {
+            let id = match l.backing {
+                Backing::Range(id) => id,
+                Backing::Sub { arena, .. } => arena,
+            };
+            by_range.entry(id).or_default().push(BlockInfo {
+                addr: ptr,
+                size: l.rounded,
+                requested_size: l.size,
+                state: BlockState::ActiveAllocated,
+            });
+        }
+        let mut out = Vec::new();
+        for (&va, &id) in &self.by_va {
+            let r = self.range(id);
+            let size = self.bytes(r.pages);
+            let mut blocks = by_range.remove(&id).unwrap_or_default();
+            blocks.sort_by_key(|b| b.addr);
+            // Free space between used blocks shows as inactive blocks, as PyTorch shows it.
+            let mut filled = Vec::new();
+            let mut at = va;
+            for b in blocks {
+                if b.addr > at {
+                    filled.push(BlockInfo {
+                        addr: at,
+                        size: b.addr - at,
+                        requested_size: 0,
+                        state: BlockState::Inactive,
+                    });
+                }
+                at = b.addr + b.size;
+                filled.push(b);
+            }
+            if at < va + size {
+                filled.push(BlockInfo {
+                    addr: at,
+                    size: va + size - at,
+                    requested_size: 0,
+                    state: BlockState::Inactive,
+                });
+            }
+            let kind = match r.use_ {
+                Use::Alloc => "alloc",
+                Use::Arena => "arena",
+                Use::Cached { .. } => "cached",
+            };
+            out.push(SegmentInfo {
+                addr: va,
+                size,
+                stream: 0,
+                kind,
+                chunks: r.chunks.len(),
+                blocks: filled,
+            });
+        }
+        out
     }
 
     pub fn limits(&self) -> &Limits {
@@ -173,8 +254,12 @@ impl Heap {
                 if self.recent_free_set.remove(ptr) {
                     self.recent_frees.retain(|p| p != ptr);
                 }
+                self.note(HistoryAction::Alloc, *ptr, size);
             }
-            Err(Error::OutOfMemory { .. }) => self.stats.num_ooms += 1,
+            Err(Error::OutOfMemory { .. }) => {
+                self.stats.num_ooms += 1;
+                self.note(HistoryAction::Oom, 0, size);
+            }
             Err(_) => {}
         }
         self.flush_if_due(driver);
@@ -226,6 +311,8 @@ impl Heap {
         self.stats.active_bytes.sub(live.rounded);
         self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
         self.stats.allocations.sub(1);
+        self.note(HistoryAction::FreeRequested, ptr, live.size);
+        self.note(HistoryAction::FreeCompleted, ptr, live.size);
         match live.backing {
             Backing::Range(id) => self.cache_range(id),
             Backing::Sub { arena, offset } => {
@@ -311,6 +398,7 @@ impl Heap {
             return Err(e.into());
         }
         self.stats.mapped_bytes.add(len);
+        self.note(HistoryAction::SegmentMap, va, len);
         let range = Range { va, pages, chunks, use_ };
         let id = match self.free_range_ids.pop() {
             Some(id) => {
@@ -622,6 +710,9 @@ impl Heap {
                 return Err(e.into());
             }
             for part in &run.parts {
+                if let Some(h) = &mut self.history {
+                    h.push(HistoryAction::SegmentUnmap, part.va, part.len, 0);
+                }
                 for &c in &part.chunks {
                     self.pool.remove_mapping(c);
                 }

@@ -1,0 +1,116 @@
+//! Allocation history and the segment snapshot: what PyTorch's memory viewer reads
+//! (`device_traces` and `segments`), recorded by the heap when switched on, in a bounded ring.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// What happened, in PyTorch's trace vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HistoryAction {
+    /// An allocation was made.
+    Alloc,
+    /// The user freed an allocation (on a stream: reuse by other streams waits for it).
+    FreeRequested,
+    /// The memory became reusable everywhere.
+    FreeCompleted,
+    /// A range was mapped (PyTorch's `segment_map`).
+    SegmentMap,
+    /// A range was unmapped (PyTorch's `segment_unmap`).
+    SegmentUnmap,
+    /// A request failed for lack of memory.
+    Oom,
+}
+
+impl HistoryAction {
+    /// PyTorch's name for it.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            HistoryAction::Alloc => "alloc",
+            HistoryAction::FreeRequested => "free_requested",
+            HistoryAction::FreeCompleted => "free_completed",
+            HistoryAction::SegmentMap => "segment_map",
+            HistoryAction::SegmentUnmap => "segment_unmap",
+            HistoryAction::Oom => "oom",
+        }
+    }
+}
+
+/// One recorded event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HistoryEvent {
+    /// What happened.
+    pub action: HistoryAction,
+    /// Address (the allocation's, or the range's).
+    pub addr: u64,
+    /// Bytes (requested for allocations, mapped for segments).
+    pub size: u64,
+    /// The stream, as the raw handle (0: default).
+    pub stream: u64,
+    /// Microseconds since the allocator was made.
+    pub time_us: u64,
+}
+
+/// A bounded ring of events.
+#[derive(Debug)]
+pub(crate) struct History {
+    max: usize,
+    events: VecDeque<HistoryEvent>,
+    start: Instant,
+}
+
+impl History {
+    pub fn new(max: usize, start: Instant) -> Self {
+        History { max: max.max(1), events: VecDeque::new(), start }
+    }
+
+    pub fn push(&mut self, action: HistoryAction, addr: u64, size: u64, stream: u64) {
+        if self.events.len() == self.max {
+            self.events.pop_front();
+        }
+        let time_us = self.start.elapsed().as_micros() as u64;
+        self.events.push_back(HistoryEvent { action, addr, size, stream, time_us });
+    }
+
+    pub fn events(&self) -> Vec<HistoryEvent> {
+        self.events.iter().copied().collect()
+    }
+}
+
+/// What a block in a segment snapshot is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// In use.
+    ActiveAllocated,
+    /// Free.
+    Inactive,
+}
+
+/// A block of a segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Its address.
+    pub addr: u64,
+    /// Its size after rounding.
+    pub size: u64,
+    /// Bytes asked for (0 for free blocks).
+    pub requested_size: u64,
+    /// In use or free.
+    pub state: BlockState,
+}
+
+/// One mapped range, as a PyTorch segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Base address.
+    pub addr: u64,
+    /// Bytes mapped.
+    pub size: u64,
+    /// The stream of its last allocation (0: default).
+    pub stream: u64,
+    /// `"alloc"` (one allocation), `"arena"` (sub-page blocks) or `"cached"` (free, mapped).
+    pub kind: &'static str,
+    /// Physical chunks mapped there.
+    pub chunks: usize,
+    /// Its blocks, in address order.
+    pub blocks: Vec<BlockInfo>,
+}
