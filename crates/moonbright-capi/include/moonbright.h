@@ -53,6 +53,11 @@
 #define MB_ERR_INTERNAL 7
 
 /**
+ * A stream-ordered request on a stream being captured into a CUDA graph (refused).
+ */
+#define MB_ERR_STREAM_CAPTURE 8
+
+/**
  * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
  */
 #define MB_BACKEND_AUTO 0
@@ -258,6 +263,32 @@ int mb_destroy(struct mb_allocator *alloc);
  * `alloc` is NULL or a live handle from `mb_create`; `out_ptr` is NULL or valid for a write.
  */
 int mb_malloc(struct mb_allocator *alloc, size_t size, uint64_t *out_ptr);
+
+/**
+ * Allocates `size` bytes for use on `stream` (a `CUstream`, NULL for the default stream), as
+ * `cudaMallocAsync`: the memory may come from frees queued on `stream`, or from frees on other
+ * streams that have completed. No driver call on the common path.
+ *
+ * Returns what `mb_malloc` returns, and `MB_ERR_STREAM_CAPTURE` while `stream` is being captured
+ * into a CUDA graph.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_ptr` is NULL or valid for a write;
+ * `stream` is NULL or a live stream of the allocator's device.
+ */
+int mb_malloc_async(struct mb_allocator *alloc, size_t size, void *stream, uint64_t *out_ptr);
+
+/**
+ * Frees an allocation in `stream`'s order, as `cudaFreeAsync`: work queued on `stream` before
+ * this call may still use it; later work on `stream` may reuse it at once, other streams once an
+ * event recorded here has completed. Never waits for the device.
+ *
+ * Returns what `mb_free` returns, and `MB_ERR_STREAM_CAPTURE` while `stream` is being captured.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `stream` is NULL or a live stream.
+ */
+int mb_free_async(struct mb_allocator *alloc, uint64_t ptr, void *stream);
 
 /**
  * Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.

@@ -12,10 +12,10 @@
 #![allow(non_camel_case_types)]
 
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats};
+use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 
 /// Success.
 pub const MB_OK: c_int = 0;
@@ -35,6 +35,8 @@ pub const MB_ERR_DRIVER: c_int = 5;
 pub const MB_ERR_NO_BACKEND: c_int = 6;
 /// A bug in MoonBright (a caught panic); the last error says where.
 pub const MB_ERR_INTERNAL: c_int = 7;
+/// A stream-ordered request on a stream being captured into a CUDA graph (refused).
+pub const MB_ERR_STREAM_CAPTURE: c_int = 8;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
 pub const MB_BACKEND_AUTO: c_int = 0;
@@ -193,6 +195,7 @@ fn status_of(e: &Error) -> c_int {
             MB_ERR_INVALID_POINTER
         }
         Error::NoBackend(_) => MB_ERR_NO_BACKEND,
+        Error::StreamCapture { .. } => MB_ERR_STREAM_CAPTURE,
         Error::Driver(_) => MB_ERR_DRIVER,
     }
 }
@@ -423,6 +426,57 @@ pub unsafe extern "C" fn mb_malloc(
     })
 }
 
+/// Allocates `size` bytes for use on `stream` (a `CUstream`, NULL for the default stream), as
+/// `cudaMallocAsync`: the memory may come from frees queued on `stream`, or from frees on other
+/// streams that have completed. No driver call on the common path.
+///
+/// Returns what `mb_malloc` returns, and `MB_ERR_STREAM_CAPTURE` while `stream` is being captured
+/// into a CUDA graph.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `out_ptr` is NULL or valid for a write;
+/// `stream` is NULL or a live stream of the allocator's device.
+#[no_mangle]
+pub unsafe extern "C" fn mb_malloc_async(
+    alloc: *mut mb_allocator,
+    size: usize,
+    stream: *mut c_void,
+    out_ptr: *mut u64,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        if out_ptr.is_null() {
+            return Err(Failure::null("out_ptr"));
+        }
+        let ptr = a.malloc_async(size, StreamHandle(stream as u64))?;
+        // SAFETY: `out_ptr` is non-NULL and, by the caller's contract, valid for a `uint64_t`.
+        unsafe { write_out(out_ptr, "out_ptr", ptr) }
+    })
+}
+
+/// Frees an allocation in `stream`'s order, as `cudaFreeAsync`: work queued on `stream` before
+/// this call may still use it; later work on `stream` may reuse it at once, other streams once an
+/// event recorded here has completed. Never waits for the device.
+///
+/// Returns what `mb_free` returns, and `MB_ERR_STREAM_CAPTURE` while `stream` is being captured.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `stream` is NULL or a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn mb_free_async(
+    alloc: *mut mb_allocator,
+    ptr: u64,
+    stream: *mut c_void,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        a.free_async(ptr, StreamHandle(stream as u64))?;
+        Ok(())
+    })
+}
+
 /// Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
 ///
 /// Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed
@@ -554,6 +608,7 @@ pub extern "C" fn mb_status_string(status: c_int) -> *const c_char {
         MB_ERR_DRIVER => c"driver call failed",
         MB_ERR_NO_BACKEND => c"no backend available",
         MB_ERR_INTERNAL => c"internal error",
+        MB_ERR_STREAM_CAPTURE => c"stream is being captured",
         _ => c"unknown status",
     };
     s.as_ptr()
@@ -592,6 +647,7 @@ mod tests {
             (Error::UnknownPointer { ptr: 1 }, MB_ERR_INVALID_POINTER),
             (Error::InteriorPointer { ptr: 2, base: 1, offset: 1 }, MB_ERR_INVALID_POINTER),
             (Error::NoBackend("x".into()), MB_ERR_NO_BACKEND),
+            (Error::StreamCapture { stream: 1 }, MB_ERR_STREAM_CAPTURE),
             (Error::AddressSpaceExhausted { reserved: 1, limit: 1 }, MB_ERR_OUT_OF_MEMORY),
             (Error::Driver(moonbright::DriverError::new(CallKind::Map, 1, "x")), MB_ERR_DRIVER),
         ];

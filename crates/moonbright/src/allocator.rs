@@ -1,8 +1,6 @@
 //! The public allocator: opens a backend from [`Options`], sizes the cap and the virtual
-//! reservations from device memory, and serialises requests to the heap behind one lock.
-//!
-//! Locking today: one mutex around the heap, held across the driver calls a request makes. The
-//! stream-ordered front end (issue 3) moves driver calls off this lock.
+//! reservations from device memory, starts the background worker, and hands requests to the
+//! stream-ordered front end (`stream/`). Locking is described in docs/design.md.
 
 use std::fmt;
 
@@ -17,7 +15,9 @@ use crate::driver::{
     StreamHandle,
 };
 use crate::error::{Error, Result};
-use std::sync::Mutex;
+use crate::stream::{worker, Shared};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// The backends MoonBright can run on.
 #[derive(Debug)]
@@ -123,20 +123,26 @@ impl Driver for Backend {
     fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
         self.as_dyn().destroy_event(event)
     }
+    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
+        self.as_dyn().synchronize_event(event)
+    }
+    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
+        self.as_dyn().is_capturing(stream)
+    }
 }
 
-/// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free.
+/// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free, on
+/// any stream.
 pub struct Allocator {
-    driver: Instrumented<Backend>,
-    heap: Mutex<Heap>,
-    options: Options,
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
     total_memory: u64,
 }
 
 impl fmt::Debug for Allocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Allocator")
-            .field("backend", &self.driver.name())
+            .field("backend", &self.backend_name())
             .field("cap", &self.cap())
             .field("total_memory", &self.total_memory)
             .finish_non_exhaustive()
@@ -145,7 +151,7 @@ impl fmt::Debug for Allocator {
 
 impl Allocator {
     /// Opens the backend `options` name and sets up an empty allocator. Nothing is reserved or
-    /// created until the first request.
+    /// created until the first request (or until the background mapper sees demand).
     pub fn new(options: Options) -> Result<Allocator> {
         options.check()?;
         let backend = Backend::open(&options)?;
@@ -179,134 +185,126 @@ impl Allocator {
             va_limit: total_pages * page * options.va_limit_factor,
             unmap_batch_ranges: options.unmap_batch_ranges,
             unmap_batch_bytes: options.unmap_batch_bytes,
+            unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
         };
-        Ok(Allocator {
-            driver,
-            heap: Mutex::new(Heap::new(lim)),
-            options,
-            total_memory: info.total,
-        })
+        let background = options.background;
+        let shared = Arc::new(Shared::new(driver, Heap::new(lim), options));
+        let worker = if background {
+            let s = shared.clone();
+            let handle = std::thread::Builder::new()
+                .name("moonbright-worker".into())
+                .spawn(move || worker::run(s))
+                .map_err(|e| {
+                    Error::NoBackend(format!("cannot start the background worker: {e}"))
+                })?;
+            Some(handle)
+        } else {
+            None
+        };
+        Ok(Allocator { shared, worker, total_memory: info.total })
     }
 
-    fn heap(&self) -> std::sync::MutexGuard<'_, Heap> {
-        // A panic while the lock was held can only come from a bug caught by a debug assertion;
-        // the heap's state is still consistent between statements that touch it, so go on.
-        self.heap.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn after(&self, heap: &Heap) {
-        if self.options.validate {
-            if let Err(e) = heap.check() {
-                panic!("MoonBright invariant broken: {e}");
-            }
-        }
-    }
-
-    /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up).
+    /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up). The
+    /// caller orders its use (as with `cudaMalloc`); see `malloc_async` for stream order.
     pub fn malloc(&self, size: usize) -> Result<DevicePtr> {
-        let mut heap = self.heap();
-        let r = heap.malloc(&self.driver, size as u64);
-        self.after(&heap);
-        r
+        self.shared.malloc(size as u64, None)
     }
 
-    /// Frees an allocation. The caller guarantees no device work still uses it (as after a
-    /// stream synchronisation); the stream-ordered `free_async` lifts that.
+    /// Frees an allocation at once. The caller guarantees no device work still uses it (as after
+    /// a stream synchronisation); `free_async` lifts that.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
-        let mut heap = self.heap();
-        let r = heap.free(&self.driver, ptr);
-        self.after(&heap);
-        r
+        self.shared.free(ptr)
     }
 
-    /// Allocates `size` bytes for use on `stream` (stream-ordered, as `cudaMallocAsync`): the
-    /// memory may have been freed on `stream` by earlier work, or on another stream whose free
-    /// has completed.
+    /// Allocates `size` bytes for use on `stream`, as `cudaMallocAsync`: the memory may come from
+    /// frees on `stream` still queued there (stream order makes that safe), or from frees on
+    /// other streams that have completed. Refused while `stream` is being captured into a graph.
     pub fn malloc_async(&self, size: usize, stream: StreamHandle) -> Result<DevicePtr> {
-        let _ = stream; // Stream-ordered reuse lands with the stream front end.
-        self.malloc(size)
+        self.shared.malloc(size as u64, Some(stream))
     }
 
-    /// Frees an allocation once the work queued on `stream` so far has run (as `cudaFreeAsync`):
-    /// later work on `stream` may reuse it at once, other streams once that work has completed.
+    /// Frees an allocation in `stream`'s order, as `cudaFreeAsync`: work queued on `stream`
+    /// before this call may still use it; later work on `stream` may reuse it at once, other
+    /// streams once an event recorded here has completed. Never waits for the device.
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        let _ = stream; // Stream-ordered reuse lands with the stream front end.
-        self.free(ptr)
+        self.shared.free_async(ptr, stream)
     }
 
     /// The usable size of a live allocation (its size rounded up), or `None`.
     pub fn usable_size(&self, ptr: DevicePtr) -> Option<usize> {
-        self.heap().usable_size(ptr).map(|s| s as usize)
+        self.shared.heap().usable_size(ptr).map(|s| s as usize)
     }
 
     /// Unmaps every retired range now rather than at the next batch.
     pub fn flush(&self) -> Result<()> {
-        let mut heap = self.heap();
-        let r = heap.flush_retired(&self.driver);
-        self.after(&heap);
-        r
+        self.shared.flush().map(|_| ())
+    }
+
+    /// Checks the events of stream frees now (the background worker does this on its own) and
+    /// makes what completed reusable by every stream. Returns whether anything completed.
+    pub fn poll(&self) -> bool {
+        self.shared.record_missing_events();
+        self.shared.poll_events()
     }
 
     /// Gives every physical page no allocation uses back to the driver (like
     /// `torch.cuda.empty_cache`). Returns the bytes released.
     pub fn release_unused(&self) -> Result<u64> {
-        let mut heap = self.heap();
-        let r = heap.release_unused(&self.driver);
-        self.after(&heap);
-        r
+        self.shared.release_unused()
     }
 
     /// A snapshot of the statistics.
     pub fn stats(&self) -> Stats {
-        let mut s = self.heap().stats().clone();
-        s.driver_calls = self.driver.counts();
+        let mut s = self.shared.heap().stats().clone();
+        s.driver_calls = self.shared.driver.counts();
         s
     }
 
     /// Starts recording up to `max_events` allocation events (the oldest dropped first), or stops
     /// recording with `None`; for snapshots PyTorch's memory viewer opens.
     pub fn record_history(&self, max_events: Option<usize>) {
-        self.heap().set_history(max_events);
+        self.shared.heap().set_history(max_events);
     }
 
     /// The events recorded since `record_history` was switched on.
     pub fn history(&self) -> Vec<HistoryEvent> {
-        self.heap().history()
+        self.shared.heap().history()
     }
 
     /// Every mapped range and its blocks, in address order.
     pub fn segments(&self) -> Vec<SegmentInfo> {
-        self.heap().segments()
+        self.shared.heap().segments()
     }
 
     /// Resets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        self.heap().reset_peaks();
+        self.shared.heap().reset_peaks();
     }
 
-    /// The last driver error met outside a request (a deferred unmap that will be retried), if any.
+    /// The last driver error met outside a request (a deferred unmap that will be retried, an
+    /// event that could not be recorded), if any.
     pub fn take_deferred_error(&self) -> Option<DriverError> {
-        self.heap().take_deferred_error()
+        self.shared.heap().take_deferred_error()
     }
 
     /// Checks every invariant of the allocator's state.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.heap().check()
+        self.shared.heap().check()
     }
 
     /// The cap on physical bytes held.
     pub fn cap(&self) -> u64 {
-        self.heap().limits().cap
+        self.shared.heap().limits().cap
     }
 
     /// `"cuda"` or `"host"`.
     pub fn backend_name(&self) -> &'static str {
-        self.driver.name()
+        self.shared.driver.name()
     }
 
     /// The page size (mapping granularity) in bytes.
     pub fn page_size(&self) -> usize {
-        self.driver.granularity()
+        self.shared.driver.granularity()
     }
 
     /// Total device memory as the backend reports it.
@@ -316,36 +314,34 @@ impl Allocator {
 
     /// The options this allocator was made with.
     pub fn options(&self) -> &Options {
-        &self.options
+        &self.shared.options
     }
 
     /// The backend, wrapped with call counters and fault injection.
     pub fn driver(&self) -> &Instrumented<Backend> {
-        &self.driver
+        &self.shared.driver
     }
 
     /// Copies bytes into device memory (synchronous; for tests and tools).
     pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        Ok(self.driver.write(dst, src)?)
+        Ok(self.shared.driver.write(dst, src)?)
     }
 
     /// Copies device memory into host bytes (synchronous; for tests and tools).
     pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
-        Ok(self.driver.read(src, dst)?)
+        Ok(self.shared.driver.read(src, dst)?)
     }
 }
 
 impl Drop for Allocator {
     fn drop(&mut self) {
-        let heap = self.heap.get_mut().unwrap_or_else(|e| e.into_inner());
-        let (leaked, error) = heap.teardown(&self.driver);
-        if leaked > 0 {
-            eprintln!(
-                "moonbright: {leaked} allocations were still live when the allocator was dropped"
-            );
+        self.shared.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake_worker();
+        if let Some(w) = self.worker.take() {
+            if w.join().is_err() {
+                eprintln!("moonbright: the background worker panicked");
+            }
         }
-        if let Some(e) = error {
-            eprintln!("moonbright: teardown: {e}");
-        }
+        self.shared.teardown();
     }
 }

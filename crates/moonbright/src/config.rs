@@ -55,6 +55,16 @@ pub struct Options {
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
     pub unmap_batch_bytes: u64,
+    /// Age in microseconds at which retired ranges are unmapped even if the batch is small.
+    pub unmap_batch_age_us: u64,
+    /// Run the background worker: it records and polls events, unmaps retired ranges in batches,
+    /// and keeps the mapped window filled. Without it, this work happens on the slow path of
+    /// requests and in `flush`.
+    pub background: bool,
+    /// Smallest mapped window the background mapper keeps, in bytes.
+    pub prefetch_window_min: u64,
+    /// Largest mapped window, in bytes; 0 turns the window off (every new range maps on demand).
+    pub prefetch_window_max: u64,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,
     /// Limit on all virtual reservations together, as a multiple of the device's total memory.
@@ -75,6 +85,10 @@ impl Default for Options {
             max_chunk_bytes: 64 * MIB,
             unmap_batch_ranges: 64,
             unmap_batch_bytes: 4 * GIB,
+            unmap_batch_age_us: 2_000,
+            background: true,
+            prefetch_window_min: 0,
+            prefetch_window_max: GIB,
             va_reserve_factor: 2,
             va_limit_factor: 16,
             validate: false,
@@ -91,6 +105,7 @@ impl Options {
             host_capacity: capacity,
             host_page_size: page,
             validate: true,
+            background: false,
             ..Options::default()
         }
     }
@@ -133,6 +148,15 @@ impl Options {
         }
         if self.unmap_batch_bytes == 0 {
             return bad("unmap_batch_bytes", "must be at least 1".into());
+        }
+        if self.prefetch_window_min > self.prefetch_window_max {
+            return bad(
+                "prefetch_window_min",
+                format!(
+                    "{} is larger than prefetch_window_max ({})",
+                    self.prefetch_window_min, self.prefetch_window_max
+                ),
+            );
         }
         if !(1..=64).contains(&self.va_reserve_factor) {
             return bad(
@@ -177,6 +201,10 @@ mod tests {
             ("unmap_batch_bytes", Options { unmap_batch_bytes: 0, ..Default::default() }),
             ("va_reserve_factor", Options { va_reserve_factor: 0, ..Default::default() }),
             ("va_limit_factor", Options { va_limit_factor: 1, ..Default::default() }),
+            (
+                "prefetch_window_min",
+                Options { prefetch_window_min: 2, prefetch_window_max: 1, ..Default::default() },
+            ),
         ];
         for (name, opts) in cases {
             match opts.check() {

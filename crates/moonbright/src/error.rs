@@ -86,6 +86,16 @@ pub enum Error {
         /// The limit.
         limit: u64,
     },
+    /// A stream-ordered request on a stream being captured into a CUDA graph.
+    #[error(
+        "stream {stream:#x} is being captured into a CUDA graph: MoonBright refuses to allocate or \
+         free on a capturing stream (the addresses would be baked into the graph while the memory \
+         could be reused); allocate before capture begins and free after the graph's last replay"
+    )]
+    StreamCapture {
+        /// The stream.
+        stream: u64,
+    },
     /// A driver call failed; the allocator's state is as it was before the request.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),

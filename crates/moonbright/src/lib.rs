@@ -20,6 +20,7 @@ pub mod core;
 pub mod driver;
 mod error;
 pub mod scenario;
+mod stream;
 pub(crate) mod sync;
 
 pub use allocator::{Allocator, Backend};

@@ -19,6 +19,11 @@ fn host_options() -> Options {
     }
 }
 
+/// The same with the background worker on: events, unmap batches and a mapped window.
+fn host_background_options() -> Options {
+    Options { background: true, prefetch_window_min: 8 << 16, ..host_options() }
+}
+
 fn cuda_options() -> Option<Options> {
     if let Err(why) = moonbright::driver::cuda::probe() {
         eprintln!("skipping the cuda backend: {why}");
@@ -293,6 +298,7 @@ macro_rules! suite {
 }
 
 suite!(host, Some(host_options()));
+suite!(host_background, Some(host_background_options()));
 suite!(cuda, cuda_options());
 
 #[test]

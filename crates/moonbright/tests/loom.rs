@@ -66,6 +66,12 @@ impl Driver for Null {
     fn destroy_event(&self, _: EventHandle) -> DriverResult<()> {
         Ok(())
     }
+    fn synchronize_event(&self, _: EventHandle) -> DriverResult<()> {
+        Ok(())
+    }
+    fn is_capturing(&self, _: StreamHandle) -> DriverResult<bool> {
+        Ok(false)
+    }
 }
 
 /// Two threads race through a planned failure: in every interleaving exactly one call fails,

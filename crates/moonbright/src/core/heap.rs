@@ -1,16 +1,19 @@
-//! The heap: MoonBright's single-threaded allocator state and every policy decision. It stitches
-//! chunks into ranges at fresh addresses, keeps freed ranges mapped for reuse as they are, steals
-//! their pages when other sizes need them, retires ranges for a batched unmap, and carves sub-page
-//! requests out of arenas. Every driver call it makes is undone on failure.
+//! The heap: MoonBright's allocator state and every policy decision, always used under the
+//! allocator's lock and never calling the driver itself. Fast paths (a stream's own pending frees,
+//! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
+//! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
+use super::mapping::{Executed, MapPlan};
 use super::pool::{chunk_plan, ChunkId, Pool};
 use super::stats::Stats;
+use super::streams::{Pending, Streams};
 use super::subpage::{SubPage, SUBPAGE_ALIGN};
-use super::vaspace::{Retired, VaSpace};
-use crate::driver::{Driver, DriverError};
+use super::vaspace::{Retired, UnmapRun, VaSpace};
+use super::window::Window;
+use crate::driver::{ChunkHandle, DriverError, EventHandle};
 use crate::error::{Error, Result};
 
 /// Index of a range in the heap.
@@ -19,6 +22,9 @@ pub(crate) type RangeId = u32;
 /// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
 const RECENT_FREES: usize = 4096;
 
+/// Pages the window's address slabs are claimed in.
+const WINDOW_SLAB_PAGES: u64 = 512;
+
 /// What a mapped range is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
@@ -26,6 +32,8 @@ enum Use {
     Alloc,
     /// An arena of the sub-page allocator.
     Arena,
+    /// Freed on a stream whose work may still use it: only that stream may reuse it.
+    Pending,
     /// Free, still mapped, reusable as it is; `seq` orders the cache from least recently freed.
     Cached { seq: u64 },
 }
@@ -50,6 +58,7 @@ enum Backing {
 struct Live {
     size: u64,
     rounded: u64,
+    stream: u64,
     backing: Backing,
 }
 
@@ -70,6 +79,30 @@ pub(crate) struct Limits {
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
     pub unmap_batch_bytes: u64,
+    /// Retired ranges older than this are unmapped at the next chance.
+    pub unmap_batch_age: std::time::Duration,
+}
+
+/// What a request that missed every fast path needs next.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// Run this plan with the driver, then commit it.
+    Map(MapPlan),
+    /// Reserve this many more bytes of addresses, then plan again.
+    Reserve(u64),
+    /// Unmap the retired ranges (to free addresses or chunks to split), then plan again.
+    Flush,
+    /// Not enough free memory, counting everything that is free now.
+    OutOfMemory(Error),
+}
+
+/// The outcome of a fast-path attempt.
+#[derive(Debug)]
+pub(crate) enum Fast {
+    /// Served: the pointer.
+    Done(u64),
+    /// A range of this many pages is needed (for an allocation, or a new arena).
+    NeedRange { pages: u64, arena: bool },
 }
 
 #[derive(Debug)]
@@ -78,9 +111,13 @@ pub(crate) struct Heap {
     pool: Pool,
     va: VaSpace,
     sub: SubPage,
+    streams: Streams,
+    window: Window,
+    /// The address slab the window grows in: (next, end).
+    window_slab: (u64, u64),
     ranges: Vec<Option<Range>>,
     free_range_ids: Vec<RangeId>,
-    /// Live and cached ranges by base address.
+    /// Live, pending and cached ranges by base address.
     by_va: BTreeMap<u64, RangeId>,
     /// Cached ranges as (pages, seq), and seq -> range in freeing order.
     cached_by_size: BTreeSet<(u64, u64)>,
@@ -90,15 +127,21 @@ pub(crate) struct Heap {
     live: HashMap<u64, Live>,
     recent_frees: VecDeque<u64>,
     recent_free_set: HashSet<u64>,
+    /// Chunks claimed by plans in flight (neither bare nor in a range), by plan.
+    inflight: HashMap<u64, Vec<ChunkId>>,
+    /// Addresses claimed by plans in flight, by plan: (va, len).
+    inflight_va: HashMap<u64, (u64, u64)>,
+    inflight_create_pages: u64,
+    inflight_release_pages: u64,
+    next_plan: u64,
+    /// Retired runs being unmapped with the lock released.
+    unmapping: usize,
+    /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
+    fresh_pages: u64,
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
-    /// Recorded events, when switched on.
     history: Option<History>,
-}
-
-fn div_ceil(a: u64, b: u64) -> u64 {
-    a.div_ceil(b)
 }
 
 impl Heap {
@@ -108,6 +151,9 @@ impl Heap {
             pool: Pool::default(),
             va: VaSpace::default(),
             sub: SubPage::default(),
+            streams: Streams::default(),
+            window: Window::new(lim.page),
+            window_slab: (0, 0),
             ranges: Vec::new(),
             free_range_ids: Vec::new(),
             by_va: BTreeMap::new(),
@@ -118,11 +164,58 @@ impl Heap {
             live: HashMap::new(),
             recent_frees: VecDeque::new(),
             recent_free_set: HashSet::new(),
+            inflight: HashMap::new(),
+            inflight_va: HashMap::new(),
+            inflight_create_pages: 0,
+            inflight_release_pages: 0,
+            next_plan: 0,
+            unmapping: 0,
+            fresh_pages: 0,
             stats: Stats::default(),
             deferred_error: None,
             history: None,
         }
     }
+
+    pub fn limits(&self) -> &Limits {
+        &self.lim
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn reset_peaks(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    pub fn take_deferred_error(&mut self) -> Option<DriverError> {
+        self.deferred_error.take()
+    }
+
+    pub fn note_deferred_error(&mut self, e: DriverError) {
+        self.stats.deferred_errors += 1;
+        self.deferred_error = Some(e);
+    }
+
+    /// The usable size of a live allocation (its rounded size), if `ptr` is one.
+    pub fn usable_size(&self, ptr: u64) -> Option<u64> {
+        self.live.get(&ptr).map(|l| l.rounded)
+    }
+
+    fn range(&self, id: RangeId) -> &Range {
+        self.ranges[id as usize].as_ref().expect("no such range")
+    }
+
+    fn range_mut(&mut self, id: RangeId) -> &mut Range {
+        self.ranges[id as usize].as_mut().expect("no such range")
+    }
+
+    fn bytes(&self, pages: u64) -> u64 {
+        pages * self.lim.page
+    }
+
+    // ---- history --------------------------------------------------------------------------------
 
     /// Starts recording up to `max` events (dropping the oldest), or stops with `None`.
     pub fn set_history(&mut self, max: Option<usize>) {
@@ -134,20 +227,749 @@ impl Heap {
         self.history.as_ref().map(History::events).unwrap_or_default()
     }
 
-    fn note(&mut self, action: HistoryAction, addr: u64, size: u64) {
+    fn note(&mut self, action: HistoryAction, addr: u64, size: u64, stream: u64) {
         if let Some(h) = &mut self.history {
-            h.push(action, addr, size, 0);
+            h.push(action, addr, size, stream);
         }
     }
 
-    /// Every mapped range with its blocks, in address order.
+    // ---- allocation -----------------------------------------------------------------------------
+
+    /// Checks a request's size: the pages it needs, or why it can never succeed.
+    fn check_size(&self, size: u64) -> Result<()> {
+        if size == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if size > self.lim.cap {
+            return Err(Error::TooLarge { requested: size, cap: self.lim.cap });
+        }
+        Ok(())
+    }
+
+    /// Serves `size` bytes for `stream` without the driver if it can: the stream's own pending
+    /// frees, the cache, an arena, the window. Otherwise says what range is needed.
+    pub fn try_fast(&mut self, size: u64, stream: u64) -> Result<Fast> {
+        self.check_size(size)?;
+        if size < self.lim.page {
+            let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
+            if let Some((ptr, arena, offset)) =
+                self.streams.get_mut(stream).and_then(|f| f.take_block(rounded))
+            {
+                self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
+                self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
+                return Ok(Fast::Done(ptr));
+            }
+            if let Some((arena, offset)) = self.sub.alloc(rounded) {
+                let ptr = self.range(arena).va + offset;
+                self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
+                return Ok(Fast::Done(ptr));
+            }
+            return self.take_range_fast(1, stream).map(|id| match id {
+                Some(id) => Fast::Done(self.start_arena(id, size, stream)),
+                None => Fast::NeedRange { pages: 1, arena: true },
+            });
+        }
+        let pages = size.div_ceil(self.lim.page);
+        Ok(match self.take_range_fast(pages, stream)? {
+            Some(id) => Fast::Done(self.finish_range(id, size, stream)),
+            None => Fast::NeedRange { pages, arena: false },
+        })
+    }
+
+    /// A range of exactly `pages` pages with no driver call: the stream's own pending frees, then
+    /// the cache, then the window.
+    fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
+        if let Some(id) = self.streams.get_mut(stream).and_then(|f| f.take_range(pages)) {
+            self.streams.range_left(pages);
+            let va = self.range(id).va;
+            self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+            self.stats.cache_hits += 1;
+            return Ok(Some(id));
+        }
+        if let Some(&(_, seq)) =
+            self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()
+        {
+            self.stats.cache_hits += 1;
+            return Ok(Some(self.uncache(seq)));
+        }
+        if let Some((va, chunks)) = self.window.take(pages) {
+            self.stats.window_hits += 1;
+            self.stats.window_bytes.sub(self.bytes(pages));
+            self.fresh_pages += pages;
+            return Ok(Some(self.add_range(va, pages, chunks, Use::Alloc)));
+        }
+        Ok(None)
+    }
+
+    /// Completes a request with a range mapped for it: a new arena's first block, or the
+    /// allocation itself.
+    pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
+        self.fresh_pages += self.range(id).pages;
+        if arena {
+            self.start_arena(id, size, stream)
+        } else {
+            self.finish_range(id, size, stream)
+        }
+    }
+
+    fn start_arena(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
+        self.range_mut(id).use_ = Use::Arena;
+        self.sub.add_arena(id, self.lim.page);
+        let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
+        let (arena, offset) =
+            self.sub.alloc(rounded).expect("a fresh arena fits any sub-page request");
+        let ptr = self.range(arena).va + offset;
+        self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
+        ptr
+    }
+
+    fn finish_range(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
+        self.range_mut(id).use_ = Use::Alloc;
+        let r = self.range(id);
+        let (ptr, rounded) = (r.va, self.bytes(r.pages));
+        self.finish_live(ptr, size, rounded, stream, Backing::Range(id));
+        ptr
+    }
+
+    fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
+        if matches!(backing, Backing::Sub { .. }) {
+            self.stats.subpage_allocations += 1;
+        }
+        self.stats.allocated_bytes.add(size);
+        self.stats.active_bytes.add(rounded);
+        self.stats.rounding_waste_bytes.add(rounded - size);
+        self.stats.allocations.add(1);
+        if self.recent_free_set.remove(&ptr) {
+            self.recent_frees.retain(|&p| p != ptr);
+        }
+        self.note(HistoryAction::Alloc, ptr, size, stream);
+        let prev = self.live.insert(ptr, Live { size, rounded, stream, backing });
+        debug_assert!(prev.is_none(), "pointer handed out twice");
+    }
+
+    /// Counts an allocation refused for lack of memory.
+    pub fn note_oom(&mut self, size: u64, stream: u64) {
+        self.stats.num_ooms += 1;
+        self.note(HistoryAction::Oom, 0, size, stream);
+    }
+
+    // ---- freeing --------------------------------------------------------------------------------
+
+    fn take_live(&mut self, ptr: u64) -> Result<Live> {
+        let Some(live) = self.live.remove(&ptr) else {
+            return Err(self.classify_bad_free(ptr));
+        };
+        self.stats.allocated_bytes.sub(live.size);
+        self.stats.active_bytes.sub(live.rounded);
+        self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
+        self.stats.allocations.sub(1);
+        if self.recent_frees.len() == RECENT_FREES {
+            if let Some(old) = self.recent_frees.pop_front() {
+                self.recent_free_set.remove(&old);
+            }
+        }
+        self.recent_frees.push_back(ptr);
+        self.recent_free_set.insert(ptr);
+        Ok(live)
+    }
+
+    /// Frees at once: the caller guarantees no device work uses the memory any more.
+    pub fn free_now(&mut self, ptr: u64) -> Result<()> {
+        let live = self.take_live(ptr)?;
+        self.note(HistoryAction::FreeRequested, ptr, live.size, live.stream);
+        self.note(HistoryAction::FreeCompleted, ptr, live.size, live.stream);
+        self.release_backing(live.backing);
+        Ok(())
+    }
+
+    /// Frees in `stream`'s order: reusable at once by `stream`, by others once an event recorded
+    /// after this free has completed. Returns the free's epoch and a spare event to record, if the
+    /// stream has one (else the caller creates one).
+    pub fn free_on_stream(&mut self, ptr: u64, stream: u64) -> Result<(u64, Option<EventHandle>)> {
+        let live = self.take_live(ptr)?;
+        self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
+        let what = match live.backing {
+            Backing::Range(id) => {
+                self.range_mut(id).use_ = Use::Pending;
+                Pending::Range { id, pages: self.range(id).pages }
+            }
+            Backing::Sub { arena, offset } => {
+                Pending::Block { ptr, arena, offset, rounded: live.rounded }
+            }
+        };
+        let epoch = self.streams.push(stream, what);
+        Ok((epoch, self.streams.entry(stream).spare_event()))
+    }
+
+    /// Notes that `event` was recorded on `stream` after the free of `epoch`.
+    pub fn event_recorded(&mut self, stream: u64, epoch: u64, event: EventHandle) {
+        self.streams.entry(stream).recorded(epoch, event);
+    }
+
+    /// Gives back an event that could not be recorded.
+    pub fn return_event(&mut self, stream: u64, event: EventHandle) {
+        self.streams.entry(stream).return_event(event);
+    }
+
+    /// Streams whose latest frees no recorded event covers: (stream, newest epoch, spare event).
+    pub fn streams_needing_events(&mut self) -> Vec<(u64, u64, Option<EventHandle>)> {
+        let mut out = Vec::new();
+        for (s, f) in self.streams.iter_mut() {
+            if f.needs_event() {
+                let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
+                out.push((s, epoch, f.spare_event()));
+            }
+        }
+        out
+    }
+
+    /// Every recorded event not known complete, per stream, oldest first.
+    pub fn events_to_query(&self) -> Vec<(u64, Vec<EventHandle>)> {
+        self.streams
+            .iter()
+            .filter(|(_, f)| !f.is_empty())
+            .map(|(s, f)| (s, f.events().map(|e| e.1).collect::<Vec<_>>()))
+            .filter(|(_, evs)| !evs.is_empty())
+            .collect()
+    }
+
+    /// Notes that every event of `stream` up to `event` has completed: what they cover becomes
+    /// free for every stream.
+    pub fn events_completed(&mut self, stream: u64, event: EventHandle) {
+        let done = self.streams.entry(stream).completed(event);
+        for item in done {
+            match item {
+                Pending::Range { id, pages } => {
+                    self.streams.range_left(pages);
+                    let va = self.range(id).va;
+                    self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+                    self.cache_range(id);
+                }
+                Pending::Block { ptr, arena, offset, rounded } => {
+                    self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
+                    self.release_backing(Backing::Sub { arena, offset });
+                }
+            }
+        }
+    }
+
+    /// Whether frees on streams are still waiting for their events.
+    pub fn has_pending_frees(&self) -> bool {
+        self.streams.any_pending()
+    }
+
+    fn release_backing(&mut self, backing: Backing) {
+        match backing {
+            Backing::Range(id) => self.cache_range(id),
+            Backing::Sub { arena, offset } => {
+                if self.sub.free(arena, offset) {
+                    self.sub.remove_arena(arena);
+                    self.cache_range(arena);
+                }
+            }
+        }
+    }
+
+    fn classify_bad_free(&self, ptr: u64) -> Error {
+        if let Some((_, &id)) = self.by_va.range(..=ptr).next_back() {
+            let r = self.range(id);
+            if ptr < r.va + self.bytes(r.pages) {
+                match r.use_ {
+                    Use::Alloc => {
+                        return Error::InteriorPointer { ptr, base: r.va, offset: ptr - r.va };
+                    }
+                    Use::Arena => {
+                        if let Some((off, _)) = self.sub.block_containing(id, ptr - r.va) {
+                            let base = r.va + off;
+                            if base != ptr {
+                                return Error::InteriorPointer { ptr, base, offset: ptr - base };
+                            }
+                        }
+                    }
+                    Use::Cached { .. } | Use::Pending => {}
+                }
+            }
+        }
+        if self.recent_free_set.contains(&ptr) {
+            Error::DoubleFree { ptr }
+        } else {
+            Error::UnknownPointer { ptr }
+        }
+    }
+
+    // ---- planning new ranges --------------------------------------------------------------------
+
+    /// Free pages under the cap that no plan has claimed.
+    fn headroom(&self) -> u64 {
+        let held = self.pool.held_pages() + self.inflight_create_pages;
+        (self.lim.cap / self.lim.page + self.inflight_release_pages).saturating_sub(held)
+    }
+
+    /// Pages free for a new range right now, wherever they are.
+    fn free_pages(&self) -> u64 {
+        self.pool.bare_pages() + self.cached_pages + self.window.pages() + self.headroom()
+    }
+
+    /// Plans a new range of `pages` pages at a fresh address, claiming what it uses.
+    pub fn plan_range(&mut self, pages: u64, requested: u64) -> Step {
+        let free = self.free_pages();
+        if free < pages {
+            return Step::OutOfMemory(self.out_of_memory(requested, pages - free));
+        }
+        let len = self.bytes(pages);
+        let Some(va) = self.va.take_fresh(len) else {
+            if self.va.retired_count() > 0 || self.unmapping > 0 {
+                return Step::Flush;
+            }
+            let size = self.lim.reserve_bytes.max(len);
+            let reserved = self.va.reserved_bytes();
+            if reserved + size > self.lim.va_limit {
+                return Step::OutOfMemory(Error::AddressSpaceExhausted {
+                    reserved,
+                    limit: self.lim.va_limit,
+                });
+            }
+            return Step::Reserve(size);
+        };
+        let mut got: Vec<ChunkId> = Vec::new();
+        let mut left = pages;
+        loop {
+            while left > 0 {
+                match self.pool.take_bare_at_most(left) {
+                    Some(c) => {
+                        left -= self.pool.get(c).pages;
+                        got.push(c);
+                    }
+                    None => break,
+                }
+            }
+            if left == 0 {
+                break;
+            }
+            if let Some((&seq, _)) = self.cached_lru.iter().next() {
+                self.steal_cached(seq);
+                continue;
+            }
+            if self.window.pages() > 0 {
+                self.steal_window(left);
+                continue;
+            }
+            break;
+        }
+        let mut release = Vec::new();
+        let mut create = Vec::new();
+        let mut spare = Vec::new();
+        if left > 0 && self.pool.has_bare_larger_than(left) {
+            match self.pool.take_unmapped_bare_larger_than(left) {
+                Some(c) => {
+                    let chunk = self.pool.get(c);
+                    release.push((c, chunk.handle, chunk.pages));
+                    create = chunk_plan(left, self.lim.max_chunk_pages);
+                    spare = chunk_plan(chunk.pages - left, self.lim.max_chunk_pages);
+                    left = 0;
+                }
+                None => {
+                    // Every candidate is still mapped by a retired range: unmap first.
+                    for c in got {
+                        self.pool.put_bare(c);
+                    }
+                    self.va.recycle(va, len);
+                    return Step::Flush;
+                }
+            }
+        }
+        if left > 0 {
+            if self.headroom() < left {
+                for c in got {
+                    self.pool.put_bare(c);
+                }
+                self.va.recycle(va, len);
+                return Step::OutOfMemory(self.out_of_memory(requested, left));
+            }
+            create = chunk_plan(left, self.lim.max_chunk_pages);
+        }
+        self.claim(va, len, got, release, create, spare)
+    }
+
+    fn claim(
+        &mut self,
+        va: u64,
+        len: u64,
+        got: Vec<ChunkId>,
+        release: Vec<(ChunkId, ChunkHandle, u64)>,
+        create: Vec<u64>,
+        spare: Vec<u64>,
+    ) -> Step {
+        let id = self.next_plan;
+        self.next_plan += 1;
+        let existing: Vec<(ChunkId, ChunkHandle, u64)> = got
+            .iter()
+            .map(|&c| {
+                let ch = self.pool.get(c);
+                (c, ch.handle, ch.pages)
+            })
+            .collect();
+        let plan = MapPlan { id, va, len, page: self.lim.page, existing, release, create, spare };
+        self.inflight_create_pages += plan.created_pages();
+        self.inflight_release_pages += plan.released_pages();
+        let claimed = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
+        self.inflight.insert(id, claimed);
+        self.inflight_va.insert(id, (va, len));
+        Step::Map(plan)
+    }
+
+    /// Adds a reservation made for a plan that found no free addresses.
+    pub fn add_reservation(&mut self, base: u64, len: u64) {
+        self.va.add_reservation(base, len);
+    }
+
+    /// Commits an executed plan: on success the new range (a live range for the caller), on
+    /// failure everything claimed goes back and the driver's error is returned.
+    pub fn commit(&mut self, plan: MapPlan, ex: Executed) -> Result<RangeId> {
+        self.inflight.remove(&plan.id);
+        self.inflight_va.remove(&plan.id);
+        self.inflight_create_pages -= plan.created_pages();
+        self.inflight_release_pages -= plan.released_pages();
+        for &(c, _, pages) in &plan.release[..ex.released] {
+            self.pool.remove(c);
+            self.stats.reserved_bytes.sub(self.bytes(pages));
+            self.stats.chunks.sub(1);
+        }
+        if ex.released > 0 {
+            self.stats.chunk_splits += 1;
+        }
+        for &(c, _, _) in &plan.release[ex.released..] {
+            self.pool.put_bare(c);
+        }
+        for &(h, pages) in &ex.spares {
+            let c = self.insert_chunk(h, pages);
+            self.pool.put_bare(c);
+        }
+        let created: Vec<ChunkId> =
+            ex.created.iter().map(|&(h, pages)| self.insert_chunk(h, pages)).collect();
+        let chunks: Vec<ChunkId> =
+            plan.existing.iter().map(|e| e.0).chain(created.iter().copied()).collect();
+        match ex.result {
+            Ok(()) => {
+                for &c in &chunks {
+                    self.pool.add_mapping(c);
+                }
+                self.stats.mapped_handles.add(chunks.len() as u64);
+                self.stats.mapped_bytes.add(plan.len);
+                self.note(HistoryAction::SegmentMap, plan.va, plan.len, 0);
+                let pages = plan.len / self.lim.page;
+                Ok(self.add_range(plan.va, pages, chunks, Use::Alloc))
+            }
+            Err(e) => {
+                let mut unused_from = plan.va;
+                if let Some((stuck_len, n)) = ex.stuck {
+                    // Mapped and not unmappable now: the retired queue owns these mappings.
+                    let stuck: Vec<ChunkId> = chunks[..n].to_vec();
+                    for &c in &stuck {
+                        self.pool.add_mapping(c);
+                    }
+                    self.stats.mapped_handles.add(n as u64);
+                    self.stats.mapped_bytes.add(stuck_len);
+                    self.stats.retired_ranges.add(1);
+                    self.note_deferred_error(e.clone());
+                    self.va.retire(Retired { va: plan.va, len: stuck_len, chunks: stuck });
+                    unused_from += stuck_len;
+                }
+                if plan.va + plan.len > unused_from {
+                    self.va.recycle(unused_from, plan.va + plan.len - unused_from);
+                }
+                // Chunks created for the range that could not be released again stay, bare.
+                for c in chunks {
+                    self.pool.put_bare(c);
+                }
+                Err(if e.is_out_of_memory() {
+                    self.out_of_memory(plan.len, plan.len / self.lim.page)
+                } else {
+                    e.into()
+                })
+            }
+        }
+    }
+
+    fn insert_chunk(&mut self, handle: ChunkHandle, pages: u64) -> ChunkId {
+        self.stats.reserved_bytes.add(self.bytes(pages));
+        self.stats.chunks.add(1);
+        self.pool.insert(handle, pages)
+    }
+
+    fn add_range(&mut self, va: u64, pages: u64, chunks: Vec<ChunkId>, use_: Use) -> RangeId {
+        let range = Range { va, pages, chunks, use_ };
+        let id = match self.free_range_ids.pop() {
+            Some(id) => {
+                self.ranges[id as usize] = Some(range);
+                id
+            }
+            None => {
+                self.ranges.push(Some(range));
+                (self.ranges.len() - 1) as RangeId
+            }
+        };
+        self.by_va.insert(va, id);
+        id
+    }
+
+    fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
+        Error::OutOfMemory {
+            requested,
+            allocated: self.stats.allocated_bytes.current,
+            reserved: self.bytes(self.pool.held_pages()),
+            free_in_pool: self
+                .bytes(self.pool.bare_pages() + self.cached_pages + self.window.pages()),
+            cap: self.lim.cap,
+            short: self.bytes(short_pages),
+        }
+    }
+
+    // ---- the cache and the window ---------------------------------------------------------------
+
+    fn cache_range(&mut self, id: RangeId) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let pages = self.range(id).pages;
+        self.range_mut(id).use_ = Use::Cached { seq };
+        self.cached_by_size.insert((pages, seq));
+        self.cached_lru.insert(seq, id);
+        self.cached_pages += pages;
+        self.stats.cached_ranges.add(1);
+    }
+
+    fn uncache(&mut self, seq: u64) -> RangeId {
+        let id = self.cached_lru.remove(&seq).expect("cached range missing");
+        let pages = self.range(id).pages;
+        self.cached_by_size.remove(&(pages, seq));
+        self.cached_pages -= pages;
+        self.stats.cached_ranges.sub(1);
+        id
+    }
+
+    fn remove_range(&mut self, id: RangeId) -> Range {
+        let range = self.ranges[id as usize].take().expect("range missing");
+        self.free_range_ids.push(id);
+        self.by_va.remove(&range.va);
+        range
+    }
+
+    /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
+    /// address before the first is unmapped) and its addresses are retired.
+    fn steal_cached(&mut self, seq: u64) {
+        let id = self.uncache(seq);
+        let range = self.remove_range(id);
+        for &c in &range.chunks {
+            self.pool.put_bare(c);
+        }
+        self.stats.cached_ranges_stolen += 1;
+        let len = self.bytes(range.pages);
+        self.retire(range.va, len, range.chunks);
+    }
+
+    /// Takes up to `pages` pages back from the window's tail: bare chunks, retired addresses.
+    fn steal_window(&mut self, pages: u64) {
+        if let Some((va, chunks)) = self.window.take_tail(pages) {
+            self.stats.window_bytes.sub(self.bytes(chunks.len() as u64));
+            for &c in &chunks {
+                self.pool.put_bare(c);
+            }
+            let len = self.bytes(chunks.len() as u64);
+            self.retire(va, len, chunks);
+        }
+    }
+
+    fn retire(&mut self, va: u64, len: u64, chunks: Vec<ChunkId>) {
+        self.stats.retired_ranges.add(1);
+        self.va.retire(Retired { va, len, chunks });
+    }
+
+    /// Pages fresh allocations took since the last call (the mapper's measure of demand).
+    pub fn take_fresh_demand(&mut self) -> u64 {
+        std::mem::take(&mut self.fresh_pages)
+    }
+
+    pub fn window_pages(&self) -> u64 {
+        self.window.pages()
+    }
+
+    /// Plans mapping up to `want` more one-page chunks into the window, creating at most `create`
+    /// new ones: bare one-page chunks first. `None` if nothing is to be done; `Step::Reserve` or
+    /// `Step::Flush` if addresses must be found first.
+    pub fn plan_window_refill(&mut self, want: u64, create: u64) -> Option<Step> {
+        if want == 0 {
+            return None;
+        }
+        let (next, end) = self.window_slab;
+        let slab_left = (end - next) / self.lim.page;
+        let n = if slab_left > 0 { want.min(slab_left) } else { want.min(WINDOW_SLAB_PAGES) };
+        let mut got = Vec::new();
+        while (got.len() as u64) < n {
+            match self.pool.take_bare_at_most(1) {
+                Some(c) => got.push(c),
+                None => break,
+            }
+        }
+        let new = (n - got.len() as u64).min(create).min(self.headroom());
+        if got.is_empty() && new == 0 {
+            return None;
+        }
+        let pages = got.len() as u64 + new;
+        let va = if slab_left >= pages {
+            self.window_slab.0 += self.bytes(pages);
+            next
+        } else {
+            if slab_left > 0 {
+                self.va.recycle(next, end - next);
+            }
+            let slab = self.bytes(WINDOW_SLAB_PAGES.max(pages));
+            let Some(base) = self.va.take_fresh(slab) else {
+                self.window_slab = (0, 0);
+                for c in got {
+                    self.pool.put_bare(c);
+                }
+                if self.va.retired_count() > 0 || self.unmapping > 0 {
+                    return Some(Step::Flush);
+                }
+                let size = self.lim.reserve_bytes.max(slab);
+                if self.va.reserved_bytes() + size > self.lim.va_limit {
+                    return None;
+                }
+                return Some(Step::Reserve(size));
+            };
+            self.window_slab = (base + self.bytes(pages), base + slab);
+            base
+        };
+        Some(self.claim(va, self.bytes(pages), got, Vec::new(), vec![1; new as usize], Vec::new()))
+    }
+
+    /// Commits a window refill: the pages join the window.
+    pub fn commit_window(&mut self, plan: MapPlan, ex: Executed) -> Result<()> {
+        let id = self.commit(plan, ex)?;
+        let range = self.remove_range(id);
+        self.stats.window_bytes.add(self.bytes(range.pages));
+        self.window.add(range.va, range.chunks);
+        Ok(())
+    }
+
+    // ---- unmapping ------------------------------------------------------------------------------
+
+    /// Whether an unmap batch is due (by count, bytes or age).
+    pub fn unmap_due(&self) -> bool {
+        let n = self.va.retired_count();
+        n > 0
+            && (n >= self.lim.unmap_batch_ranges
+                || self.va.retired_bytes() >= self.lim.unmap_batch_bytes
+                || self.va.retired_age() >= self.lim.unmap_batch_age)
+    }
+
+    /// Takes every retired range out for unmapping, merged into runs.
+    pub fn take_unmap_batch(&mut self) -> Vec<UnmapRun> {
+        let runs = self.va.take_retired_runs();
+        self.unmapping += runs.len();
+        runs
+    }
+
+    /// Commits an unmap batch of which the first `done` runs were unmapped; the rest stay retired.
+    pub fn commit_unmap(&mut self, runs: Vec<UnmapRun>, done: usize, error: Option<DriverError>) {
+        self.unmapping -= runs.len();
+        if !runs.is_empty() {
+            self.stats.unmap_batches += 1;
+            self.stats.unmap_calls_in_batches += (done + error.is_some() as usize) as u64;
+        }
+        let mut runs = runs.into_iter();
+        for run in runs.by_ref().take(done) {
+            for part in &run.parts {
+                if let Some(h) = &mut self.history {
+                    h.push(HistoryAction::SegmentUnmap, part.va, part.len, 0);
+                }
+                for &c in &part.chunks {
+                    self.pool.remove_mapping(c);
+                }
+                self.stats.mapped_handles.sub(part.chunks.len() as u64);
+                self.stats.retired_ranges.sub(1);
+            }
+            self.stats.mapped_bytes.sub(run.len);
+            self.va.recycle(run.va, run.len);
+        }
+        self.va.put_back_runs(runs);
+        if let Some(e) = error {
+            self.note_deferred_error(e);
+        }
+    }
+
+    /// Retires every cached range and the window, for `release_unused`.
+    pub fn retire_all_free(&mut self) {
+        while let Some((&seq, _)) = self.cached_lru.iter().next() {
+            self.steal_cached(seq);
+        }
+        while self.window.pages() > 0 {
+            self.steal_window(u64::MAX);
+        }
+    }
+
+    /// Takes out every bare chunk that is mapped nowhere, for release.
+    pub fn take_releasable(&mut self) -> Vec<(ChunkId, ChunkHandle, u64)> {
+        let mut out = Vec::new();
+        while let Some(c) = self.pool.take_unmapped_bare() {
+            let ch = self.pool.get(c);
+            out.push((c, ch.handle, ch.pages));
+        }
+        self.inflight_release_pages += out.iter().map(|r| r.2).sum::<u64>();
+        self.inflight.insert(u64::MAX, out.iter().map(|r| r.0).collect());
+        out
+    }
+
+    /// Commits releases: `released[i]` says whether chunk i went; the others stay bare.
+    pub fn commit_releases(&mut self, chunks: Vec<(ChunkId, ChunkHandle, u64)>, released: &[bool]) {
+        self.inflight.remove(&u64::MAX);
+        self.inflight_release_pages -= chunks.iter().map(|r| r.2).sum::<u64>();
+        for (&(c, _, pages), &gone) in chunks.iter().zip(released) {
+            if gone {
+                self.pool.remove(c);
+                self.stats.reserved_bytes.sub(self.bytes(pages));
+                self.stats.chunks.sub(1);
+            } else {
+                self.pool.put_bare(c);
+            }
+        }
+    }
+
+    /// Everything the driver must undo at teardown: every range and window page retired, and the
+    /// runs to unmap; every chunk to release; every reservation; every event. Leaves the heap
+    /// empty. Returns the number of allocations still live too.
+    pub fn teardown(&mut self) -> Teardown {
+        let leaked = self.live.len();
+        let ids: Vec<RangeId> = self.by_va.values().copied().collect();
+        for id in ids {
+            let r = self.remove_range(id);
+            let len = self.bytes(r.pages);
+            self.retire(r.va, len, r.chunks);
+        }
+        for (va, chunks) in self.window.drain() {
+            let len = self.bytes(chunks.len() as u64);
+            self.retire(va, len, chunks);
+        }
+        let runs = self.va.take_retired_runs();
+        let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
+        let reservations = self.va.reservations().to_vec();
+        let events = self.streams.iter().flat_map(|(_, f)| f.all_events()).collect();
+        *self = Heap::new(self.lim);
+        Teardown { leaked, runs, chunks, reservations, events }
+    }
+
+    // ---- invariants -----------------------------------------------------------------------------
+
+    /// Every mapped range and its blocks, in address order.
     pub fn segments(&self) -> Vec<SegmentInfo> {
         let mut by_range: HashMap<RangeId, Vec<BlockInfo>> = HashMap::new();
+        let mut streams: HashMap<RangeId, u64> = HashMap::new();
         for (&ptr, l) in &self.live {
             let id = match l.backing {
                 Backing::Range(id) => id,
                 Backing::Sub { arena, .. } => arena,
             };
+            streams.insert(id, l.stream);
             by_range.entry(id).or_default().push(BlockInfo {
                 addr: ptr,
                 size: l.rounded,
@@ -187,12 +1009,13 @@ impl Heap {
             let kind = match r.use_ {
                 Use::Alloc => "alloc",
                 Use::Arena => "arena",
+                Use::Pending => "pending",
                 Use::Cached { .. } => "cached",
             };
             out.push(SegmentInfo {
                 addr: va,
                 size,
-                stream: 0,
+                stream: streams.get(&id).copied().unwrap_or(0),
                 kind,
                 chunks: r.chunks.len(),
                 blocks: filled,
@@ -201,594 +1024,14 @@ impl Heap {
         out
     }
 
-    pub fn limits(&self) -> &Limits {
-        &self.lim
-    }
-
-    pub fn stats(&self) -> &Stats {
-        &self.stats
-    }
-
-    pub fn reset_peaks(&mut self) {
-        self.stats.reset_peaks();
-    }
-
-    pub fn take_deferred_error(&mut self) -> Option<DriverError> {
-        self.deferred_error.take()
-    }
-
-    /// The usable size of a live allocation (its rounded size), if `ptr` is one.
-    pub fn usable_size(&self, ptr: u64) -> Option<u64> {
-        self.live.get(&ptr).map(|l| l.rounded)
-    }
-
-    fn range(&self, id: RangeId) -> &Range {
-        self.ranges[id as usize].as_ref().expect("no such range")
-    }
-
-    fn range_mut(&mut self, id: RangeId) -> &mut Range {
-        self.ranges[id as usize].as_mut().expect("no such range")
-    }
-
-    fn bytes(&self, pages: u64) -> u64 {
-        pages * self.lim.page
-    }
-
-    // ---- requests -------------------------------------------------------------------------------
-
-    /// Allocates `size` bytes: below a page from an arena, otherwise a range of whole pages.
-    pub fn malloc(&mut self, driver: &dyn Driver, size: u64) -> Result<u64> {
-        if size == 0 {
-            return Err(Error::ZeroSize);
-        }
-        if size > self.lim.cap {
-            return Err(Error::TooLarge { requested: size, cap: self.lim.cap });
-        }
-        let result = if size < self.lim.page {
-            self.malloc_subpage(driver, size)
-        } else {
-            self.malloc_pages(driver, size)
-        };
-        match &result {
-            Ok(ptr) => {
-                if self.recent_free_set.remove(ptr) {
-                    self.recent_frees.retain(|p| p != ptr);
-                }
-                self.note(HistoryAction::Alloc, *ptr, size);
-            }
-            Err(Error::OutOfMemory { .. }) => {
-                self.stats.num_ooms += 1;
-                self.note(HistoryAction::Oom, 0, size);
-            }
-            Err(_) => {}
-        }
-        self.flush_if_due(driver);
-        result
-    }
-
-    fn malloc_subpage(&mut self, driver: &dyn Driver, size: u64) -> Result<u64> {
-        let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
-        let (arena, offset) = match self.sub.alloc(rounded) {
-            Some(found) => found,
-            None => {
-                let id = self.map_range(driver, 1, Use::Arena, size)?;
-                self.sub.add_arena(id, self.lim.page);
-                self.sub.alloc(rounded).expect("a fresh arena fits any sub-page request")
-            }
-        };
-        let ptr = self.range(arena).va + offset;
-        self.stats.subpage_allocations += 1;
-        self.record_live(ptr, Live { size, rounded, backing: Backing::Sub { arena, offset } });
-        Ok(ptr)
-    }
-
-    fn malloc_pages(&mut self, driver: &dyn Driver, size: u64) -> Result<u64> {
-        let pages = div_ceil(size, self.lim.page);
-        let id = self.map_range(driver, pages, Use::Alloc, size)?;
-        let ptr = self.range(id).va;
-        self.record_live(
-            ptr,
-            Live { size, rounded: self.bytes(pages), backing: Backing::Range(id) },
-        );
-        Ok(ptr)
-    }
-
-    fn record_live(&mut self, ptr: u64, live: Live) {
-        self.stats.allocated_bytes.add(live.size);
-        self.stats.active_bytes.add(live.rounded);
-        self.stats.rounding_waste_bytes.add(live.rounded - live.size);
-        self.stats.allocations.add(1);
-        let prev = self.live.insert(ptr, live);
-        debug_assert!(prev.is_none(), "pointer handed out twice");
-    }
-
-    /// Frees a live allocation; an unknown, interior or already freed pointer changes nothing.
-    pub fn free(&mut self, driver: &dyn Driver, ptr: u64) -> Result<()> {
-        let Some(live) = self.live.remove(&ptr) else {
-            return Err(self.classify_bad_free(ptr));
-        };
-        self.stats.allocated_bytes.sub(live.size);
-        self.stats.active_bytes.sub(live.rounded);
-        self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
-        self.stats.allocations.sub(1);
-        self.note(HistoryAction::FreeRequested, ptr, live.size);
-        self.note(HistoryAction::FreeCompleted, ptr, live.size);
-        match live.backing {
-            Backing::Range(id) => self.cache_range(id),
-            Backing::Sub { arena, offset } => {
-                if self.sub.free(arena, offset) {
-                    self.sub.remove_arena(arena);
-                    self.cache_range(arena);
-                }
-            }
-        }
-        if self.recent_frees.len() == RECENT_FREES {
-            if let Some(old) = self.recent_frees.pop_front() {
-                self.recent_free_set.remove(&old);
-            }
-        }
-        self.recent_frees.push_back(ptr);
-        self.recent_free_set.insert(ptr);
-        self.flush_if_due(driver);
-        Ok(())
-    }
-
-    fn classify_bad_free(&self, ptr: u64) -> Error {
-        if let Some((_, &id)) = self.by_va.range(..=ptr).next_back() {
-            let r = self.range(id);
-            if ptr < r.va + self.bytes(r.pages) {
-                match r.use_ {
-                    Use::Alloc => {
-                        return Error::InteriorPointer { ptr, base: r.va, offset: ptr - r.va };
-                    }
-                    Use::Arena => {
-                        if let Some((off, _)) = self.sub.block_containing(id, ptr - r.va) {
-                            let base = r.va + off;
-                            return Error::InteriorPointer { ptr, base, offset: ptr - base };
-                        }
-                    }
-                    Use::Cached { .. } => {}
-                }
-            }
-        }
-        if self.recent_free_set.contains(&ptr) {
-            Error::DoubleFree { ptr }
-        } else {
-            Error::UnknownPointer { ptr }
-        }
-    }
-
-    // ---- ranges ---------------------------------------------------------------------------------
-
-    /// A mapped range of `pages` pages for `use_`: a cached range of exactly that size as it is,
-    /// else chunks from anywhere stitched at a fresh address.
-    fn map_range(
-        &mut self,
-        driver: &dyn Driver,
-        pages: u64,
-        use_: Use,
-        requested: u64,
-    ) -> Result<RangeId> {
-        if let Some(&(p, seq)) =
-            self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()
-        {
-            debug_assert_eq!(p, pages);
-            let id = self.uncache(seq);
-            self.range_mut(id).use_ = use_;
-            self.stats.cache_hits += 1;
-            return Ok(id);
-        }
-        let headroom = (self.lim.cap - self.bytes(self.pool.held_pages())) / self.lim.page;
-        let free_pages = self.pool.bare_pages() + self.cached_pages + headroom;
-        if free_pages < pages {
-            return Err(self.out_of_memory(requested, pages - free_pages));
-        }
-        let len = self.bytes(pages);
-        let va = self.fresh_va(driver, len)?;
-        let mut created = Vec::new();
-        let chunks = match self.gather(driver, pages, &mut created) {
-            Ok(chunks) => chunks,
-            Err(e) => {
-                self.va.recycle(va, len);
-                return Err(e);
-            }
-        };
-        if let Err(e) = self.map_chunks(driver, va, len, &chunks) {
-            self.return_chunks(driver, chunks, &created);
-            return Err(e.into());
-        }
-        self.stats.mapped_bytes.add(len);
-        self.note(HistoryAction::SegmentMap, va, len);
-        let range = Range { va, pages, chunks, use_ };
-        let id = match self.free_range_ids.pop() {
-            Some(id) => {
-                self.ranges[id as usize] = Some(range);
-                id
-            }
-            None => {
-                self.ranges.push(Some(range));
-                (self.ranges.len() - 1) as RangeId
-            }
-        };
-        self.by_va.insert(va, id);
-        Ok(id)
-    }
-
-    fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
-        let reserved = self.bytes(self.pool.held_pages());
-        Error::OutOfMemory {
-            requested,
-            allocated: self.stats.allocated_bytes.current,
-            reserved,
-            free_in_pool: self.bytes(self.pool.bare_pages() + self.cached_pages),
-            cap: self.lim.cap,
-            short: self.bytes(short_pages),
-        }
-    }
-
-    /// Maps `chunks` back to back at `va` and sets access over the whole range of `len` bytes. On
-    /// failure nothing stays mapped and the addresses are recycled; if the rollback unmap fails too,
-    /// the mapped part is retired instead, for a later flush to unmap.
-    fn map_chunks(
-        &mut self,
-        driver: &dyn Driver,
-        va: u64,
-        len: u64,
-        chunks: &[ChunkId],
-    ) -> std::result::Result<(), DriverError> {
-        let mut at = va;
-        let mut mapped = 0;
-        let mut failure = None;
-        for &c in chunks {
-            let chunk = self.pool.get(c);
-            let len = self.bytes(chunk.pages);
-            if let Err(e) = driver.map(at, len as usize, chunk.handle) {
-                failure = Some(e);
-                break;
-            }
-            self.pool.add_mapping(c);
-            self.stats.mapped_handles.add(1);
-            at += len;
-            mapped += 1;
-        }
-        if failure.is_none() {
-            match driver.set_access(va, (at - va) as usize) {
-                Ok(()) => return Ok(()),
-                Err(e) => failure = Some(e),
-            }
-        }
-        let failure = failure.expect("the loop ended early or set_access failed");
-        let mut unused_from = va;
-        if mapped > 0 {
-            let done = &chunks[..mapped];
-            if driver.unmap(va, (at - va) as usize).is_ok() {
-                for &c in done {
-                    self.pool.remove_mapping(c);
-                }
-                self.stats.mapped_handles.sub(mapped as u64);
-            } else {
-                // This part stays mapped and goes through the retired queue, which owns one
-                // mapping of each of these chunks until its unmap succeeds.
-                self.stats.mapped_bytes.add(at - va);
-                self.stats.retired_ranges.add(1);
-                self.stats.deferred_errors += 1;
-                self.va.retire(Retired { va, len: at - va, chunks: done.to_vec() });
-                unused_from = at;
-            }
-        }
-        if va + len > unused_from {
-            self.va.recycle(unused_from, va + len - unused_from);
-        }
-        Err(failure)
-    }
-
-    /// Gives chunks of a failed request back: those created for it are released, the rest bare.
-    fn return_chunks(&mut self, driver: &dyn Driver, chunks: Vec<ChunkId>, created: &[ChunkId]) {
-        for c in chunks {
-            if created.contains(&c)
-                && self.pool.get(c).mappings == 0
-                && self.release_chunk(driver, c).is_ok()
-            {
-                continue;
-            }
-            self.pool.put_bare(c);
-        }
-    }
-
-    /// Chunks adding up to exactly `pages`: bare ones first, then pages of cached ranges (which are
-    /// retired), then bare chunks too large split by release-and-recreate, then new chunks.
-    /// `created` collects the chunks made for this request. On error every chunk gathered is bare
-    /// again or released.
-    fn gather(
-        &mut self,
-        driver: &dyn Driver,
-        pages: u64,
-        created: &mut Vec<ChunkId>,
-    ) -> Result<Vec<ChunkId>> {
-        let mut got = Vec::new();
-        let mut left = pages;
-        let outcome = loop {
-            while left > 0 {
-                match self.pool.take_bare_at_most(left) {
-                    Some(c) => {
-                        left -= self.pool.get(c).pages;
-                        got.push(c);
-                    }
-                    None => break,
-                }
-            }
-            if left == 0 {
-                break Ok(());
-            }
-            if let Some((&seq, _)) = self.cached_lru.iter().next() {
-                self.steal_cached(seq);
-                continue;
-            }
-            if self.pool.has_bare_larger_than(left) {
-                match self.split_one(driver, left, created) {
-                    Ok(()) => continue,
-                    Err(e) => break Err(e),
-                }
-            }
-            let headroom = (self.lim.cap - self.bytes(self.pool.held_pages())) / self.lim.page;
-            if headroom < left {
-                break Err(self.out_of_memory(self.bytes(pages), left - headroom));
-            }
-            let mut failed = None;
-            for p in chunk_plan(left, self.lim.max_chunk_pages) {
-                match self.create_chunk(driver, p) {
-                    Ok(c) => {
-                        created.push(c);
-                        got.push(c);
-                        left -= p;
-                    }
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
-                }
-            }
-            break match failed {
-                None => Ok(()),
-                Some(e) if e.is_out_of_memory() => Err(self.out_of_memory(self.bytes(pages), left)),
-                Some(e) => Err(e.into()),
-            };
-        };
-        match outcome {
-            Ok(()) => Ok(got),
-            Err(e) => {
-                self.return_chunks(driver, got, created);
-                Err(e)
-            }
-        }
-    }
-
-    /// Releases the smallest unmapped bare chunk larger than `need` pages and recreates its memory
-    /// as chunks of `need` pages and of the rest, all bare. Flushes retired ranges first if every
-    /// candidate is still mapped somewhere.
-    fn split_one(
-        &mut self,
-        driver: &dyn Driver,
-        need: u64,
-        created: &mut Vec<ChunkId>,
-    ) -> Result<()> {
-        let c = match self.pool.take_unmapped_bare_larger_than(need) {
-            Some(c) => c,
-            None => {
-                self.flush_retired(driver)?;
-                self.pool
-                    .take_unmapped_bare_larger_than(need)
-                    .expect("after a flush every bare chunk is unmapped")
-            }
-        };
-        let total = self.pool.get(c).pages;
-        if let Err(e) = self.release_chunk(driver, c) {
-            self.pool.put_bare(c);
-            return Err(e.into());
-        }
-        self.stats.chunk_splits += 1;
-        let mut plan = chunk_plan(need, self.lim.max_chunk_pages);
-        plan.extend(chunk_plan(total - need, self.lim.max_chunk_pages));
-        for p in plan {
-            let n = self.create_chunk(driver, p)?;
-            created.push(n);
-            self.pool.put_bare(n);
-        }
-        Ok(())
-    }
-
-    fn create_chunk(
-        &mut self,
-        driver: &dyn Driver,
-        pages: u64,
-    ) -> std::result::Result<ChunkId, DriverError> {
-        let handle = driver.create_chunk(self.bytes(pages) as usize)?;
-        self.stats.reserved_bytes.add(self.bytes(pages));
-        self.stats.chunks.add(1);
-        Ok(self.pool.insert(handle, pages))
-    }
-
-    /// Releases a chunk that is mapped nowhere and not bare; on failure it stays in the pool.
-    fn release_chunk(
-        &mut self,
-        driver: &dyn Driver,
-        c: ChunkId,
-    ) -> std::result::Result<(), DriverError> {
-        let chunk = self.pool.get(c);
-        debug_assert_eq!(chunk.mappings, 0);
-        driver.release_chunk(chunk.handle)?;
-        let chunk = self.pool.remove(c);
-        self.stats.reserved_bytes.sub(self.bytes(chunk.pages));
-        self.stats.chunks.sub(1);
-        Ok(())
-    }
-
-    /// A fresh virtual range: the frontier, recycled addresses, recycled after a flush, or a new
-    /// reservation, in that order.
-    fn fresh_va(&mut self, driver: &dyn Driver, len: u64) -> Result<u64> {
-        if let Some(va) = self.va.take_fresh(len) {
-            return Ok(va);
-        }
-        if self.va.retired_count() > 0 {
-            self.flush_retired(driver)?;
-            if let Some(va) = self.va.take_fresh(len) {
-                return Ok(va);
-            }
-        }
-        let size = self.lim.reserve_bytes.max(len.next_multiple_of(self.lim.page));
-        let reserved = self.va.reserved_bytes();
-        if reserved + size > self.lim.va_limit {
-            return Err(Error::AddressSpaceExhausted { reserved, limit: self.lim.va_limit });
-        }
-        let base = driver.reserve(size as usize, self.lim.page as usize)?;
-        self.va.add_reservation(base, size);
-        Ok(self.va.take_fresh(len).expect("a new reservation fits the request"))
-    }
-
-    fn cache_range(&mut self, id: RangeId) {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let pages = self.range(id).pages;
-        self.range_mut(id).use_ = Use::Cached { seq };
-        self.cached_by_size.insert((pages, seq));
-        self.cached_lru.insert(seq, id);
-        self.cached_pages += pages;
-        self.stats.cached_ranges.add(1);
-    }
-
-    fn uncache(&mut self, seq: u64) -> RangeId {
-        let id = self.cached_lru.remove(&seq).expect("cached range missing");
-        let pages = self.range(id).pages;
-        self.cached_by_size.remove(&(pages, seq));
-        self.cached_pages -= pages;
-        self.stats.cached_ranges.sub(1);
-        id
-    }
-
-    /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
-    /// address before the first is unmapped) and its addresses are retired.
-    fn steal_cached(&mut self, seq: u64) {
-        let id = self.uncache(seq);
-        let range = self.ranges[id as usize].take().expect("cached range missing");
-        self.free_range_ids.push(id);
-        self.by_va.remove(&range.va);
-        for &c in &range.chunks {
-            self.pool.put_bare(c);
-        }
-        self.stats.cached_ranges_stolen += 1;
-        self.stats.retired_ranges.add(1);
-        let len = self.bytes(range.pages);
-        self.va.retire(Retired { va: range.va, len, chunks: range.chunks });
-    }
-
-    // ---- unmapping ------------------------------------------------------------------------------
-
-    fn flush_if_due(&mut self, driver: &dyn Driver) {
-        let due = self.va.retired_count() >= self.lim.unmap_batch_ranges
-            || self.va.retired_bytes() >= self.lim.unmap_batch_bytes;
-        if due {
-            if let Err(Error::Driver(e)) = self.flush_retired(driver) {
-                self.stats.deferred_errors += 1;
-                self.deferred_error = Some(e);
-            }
-        }
-    }
-
-    /// Unmaps every retired range, adjacent ones in one call, and recycles their addresses. A run
-    /// whose unmap fails stays retired, with every run after it, for a later flush.
-    pub fn flush_retired(&mut self, driver: &dyn Driver) -> Result<()> {
-        let runs = self.va.take_retired_runs();
-        if runs.is_empty() {
-            return Ok(());
-        }
-        self.stats.unmap_batches += 1;
-        let mut runs = runs.into_iter();
-        while let Some(run) = runs.next() {
-            self.stats.unmap_calls_in_batches += 1;
-            if let Err(e) = driver.unmap(run.va, run.len as usize) {
-                self.va.put_back_runs(std::iter::once(run).chain(runs));
-                return Err(e.into());
-            }
-            for part in &run.parts {
-                if let Some(h) = &mut self.history {
-                    h.push(HistoryAction::SegmentUnmap, part.va, part.len, 0);
-                }
-                for &c in &part.chunks {
-                    self.pool.remove_mapping(c);
-                }
-                self.stats.mapped_handles.sub(part.chunks.len() as u64);
-                self.stats.retired_ranges.sub(1);
-            }
-            self.stats.mapped_bytes.sub(run.len);
-            self.va.recycle(run.va, run.len);
-        }
-        Ok(())
-    }
-
-    /// Gives back every page no allocation uses: cached ranges are retired, everything retired is
-    /// unmapped, and every bare chunk released. Returns the bytes released.
-    pub fn release_unused(&mut self, driver: &dyn Driver) -> Result<u64> {
-        while let Some((&seq, _)) = self.cached_lru.iter().next() {
-            self.steal_cached(seq);
-        }
-        self.flush_retired(driver)?;
-        let mut released = 0;
-        while let Some(c) = self.pool.take_unmapped_bare() {
-            let pages = self.pool.get(c).pages;
-            if let Err(e) = self.release_chunk(driver, c) {
-                self.pool.put_bare(c);
-                return Err(e.into());
-            }
-            released += self.bytes(pages);
-        }
-        Ok(released)
-    }
-
-    /// Unmaps and releases everything, live allocations included, and frees the reservations.
-    /// Returns the number of allocations that were still live and the first driver error met.
-    pub fn teardown(&mut self, driver: &dyn Driver) -> (usize, Option<DriverError>) {
-        let leaked = self.live.len();
-        let mut first_error = None;
-        let mut note = |r: std::result::Result<(), DriverError>| {
-            if let Err(e) = r {
-                first_error.get_or_insert(e);
-            }
-        };
-        for (id, slot) in self.ranges.iter_mut().enumerate() {
-            if let Some(r) = slot.take() {
-                let len = r.pages * self.lim.page;
-                self.stats.retired_ranges.add(1);
-                self.va.retire(Retired { va: r.va, len, chunks: r.chunks });
-                self.free_range_ids.push(id as RangeId);
-            }
-        }
-        self.by_va.clear();
-        if let Err(Error::Driver(e)) = self.flush_retired(driver) {
-            note(Err(e));
-        }
-        let ids: Vec<ChunkId> = self.pool.iter().map(|(id, _)| id).collect();
-        for c in ids {
-            let chunk = self.pool.get(c);
-            if chunk.mappings == 0 {
-                note(driver.release_chunk(chunk.handle));
-            }
-        }
-        for &(base, len) in self.va.reservations() {
-            note(driver.free_reservation(base, len as usize));
-        }
-        *self = Heap::new(self.lim);
-        (leaked, first_error)
-    }
-
-    // ---- invariants -----------------------------------------------------------------------------
-
     /// Checks every invariant that spans the heap's structures (see docs/design.md).
     pub fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         self.sub.check()?;
         let page = self.lim.page;
-        // Each chunk is in exactly one live or cached range or bare, and its mapping count is the
-        // number of ranges (live, cached, retired) that map it.
+        // Each chunk is in exactly one place: a live, pending or cached range, the window, a plan
+        // in flight, or bare. Its mapping count is the number of ranges (any, retired included)
+        // and window slots that map it.
         let mut owners: HashMap<ChunkId, u32> = HashMap::new();
         let mut maps: HashMap<ChunkId, u32> = HashMap::new();
         let mut spans: Vec<(u64, u64, &str)> = Vec::new();
@@ -831,33 +1074,72 @@ impl Heap {
         {
             return Err("cache indexes disagree with the ranges".into());
         }
+        let mut pending_ranges = 0;
+        for (_, f) in self.streams.iter() {
+            for item in f.items() {
+                if let Pending::Range { id, pages } = item {
+                    pending_ranges += pages;
+                    match self.ranges.get(id as usize).and_then(|r| r.as_ref()) {
+                        Some(r) if r.use_ == Use::Pending => {}
+                        _ => return Err(format!("pending range {id} is not marked pending")),
+                    }
+                }
+            }
+        }
+        if pending_ranges != self.streams.pending_pages() {
+            return Err("pending page count drifted".into());
+        }
+        for (va, chunks) in self.window.segments() {
+            for &c in &chunks {
+                *owners.entry(c).or_default() += 1;
+                *maps.entry(c).or_default() += 1;
+                if self.pool.get(c).pages != 1 {
+                    return Err(format!("window chunk {c} is not one page"));
+                }
+            }
+            spans.push((va, chunks.len() as u64 * page, "window"));
+        }
+        for chunks in self.inflight.values() {
+            for &c in chunks {
+                *owners.entry(c).or_default() += 1;
+            }
+        }
+        for &(va, len) in self.inflight_va.values() {
+            spans.push((va, len, "in flight"));
+        }
         for r in self.va.retired() {
             for &c in &r.chunks {
                 *maps.entry(c).or_default() += 1;
             }
             spans.push((r.va, r.len, "retired"));
         }
+        if self.unmapping > 0 {
+            // Runs being unmapped are out of every structure; mapping counts cannot be checked.
+            return Ok(());
+        }
         for (c, chunk) in self.pool.iter() {
             let owned = owners.get(&c).copied().unwrap_or(0);
             if owned + chunk.bare as u32 != 1 {
-                return Err(format!("chunk {c} is in {owned} ranges and bare={}", chunk.bare));
+                return Err(format!("chunk {c} has {owned} owners and bare={}", chunk.bare));
             }
-            if maps.get(&c).copied().unwrap_or(0) != chunk.mappings {
-                return Err(format!(
-                    "chunk {c} counts {} mappings, {} found",
-                    chunk.mappings,
-                    maps.get(&c).copied().unwrap_or(0)
-                ));
+            let found = maps.get(&c).copied().unwrap_or(0);
+            if found != chunk.mappings {
+                return Err(format!("chunk {c} counts {} mappings, {found} found", chunk.mappings));
             }
         }
         if owners.keys().any(|&c| !self.pool.iter().any(|(id, _)| id == c)) {
             return Err("a range holds a chunk the pool does not know".into());
         }
-        // Mapped, retired, recycled and never-used addresses are disjoint and inside reservations.
+        // Mapped, retired, recycled, slab and never-used addresses are disjoint and inside
+        // reservations.
         spans.extend(self.va.recycled().map(|(a, l)| (a, l, "recycled")));
         let (f, fe) = self.va.frontier();
         if fe > f {
             spans.push((f, fe - f, "frontier"));
+        }
+        let (sn, se) = self.window_slab;
+        if se > sn {
+            spans.push((sn, se - sn, "window slab"));
         }
         spans.sort();
         for w in spans.windows(2) {
@@ -903,6 +1185,9 @@ impl Heap {
         if self.bytes(self.pool.held_pages()) != self.stats.reserved_bytes.current {
             return Err("reserved byte statistic drifted".into());
         }
+        if self.bytes(self.window.pages()) != self.stats.window_bytes.current {
+            return Err("window byte statistic drifted".into());
+        }
         let handles: u64 = self.pool.iter().map(|(_, c)| c.mappings as u64).sum();
         if handles != self.stats.mapped_handles.current {
             return Err(format!(
@@ -915,4 +1200,14 @@ impl Heap {
         }
         Ok(())
     }
+}
+
+/// What the driver must undo when an allocator goes away.
+#[derive(Debug)]
+pub(crate) struct Teardown {
+    pub leaked: usize,
+    pub runs: Vec<UnmapRun>,
+    pub chunks: Vec<ChunkHandle>,
+    pub reservations: Vec<(u64, u64)>,
+    pub events: Vec<EventHandle>,
 }

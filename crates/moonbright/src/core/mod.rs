@@ -3,9 +3,12 @@
 
 pub(crate) mod heap;
 pub mod history;
+pub(crate) mod mapping;
 pub(crate) mod pool;
 pub mod stats;
+pub(crate) mod streams;
 pub(crate) mod subpage;
 pub(crate) mod vaspace;
+pub(crate) mod window;
 
 pub use subpage::SUBPAGE_ALIGN;

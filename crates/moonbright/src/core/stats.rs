@@ -53,12 +53,16 @@ pub struct Stats {
     pub allocations: Stat,
     /// Physical chunks held.
     pub chunks: Stat,
+    /// One-page chunks the background mapper holds mapped, ready to serve allocations.
+    pub window_bytes: Stat,
     /// Freed ranges kept mapped for reuse as they are.
     pub cached_ranges: Stat,
     /// Ranges waiting for their unmap.
     pub retired_ranges: Stat,
     /// Allocations served by a cached range without any driver call.
     pub cache_hits: u64,
+    /// Allocations served from the mapped window without any driver call.
+    pub window_hits: u64,
     /// Allocations served from a sub-page arena.
     pub subpage_allocations: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
@@ -96,6 +100,7 @@ impl Stats {
             &mut self.mapped_handles,
             &mut self.allocations,
             &mut self.chunks,
+            &mut self.window_bytes,
             &mut self.cached_ranges,
             &mut self.retired_ranges,
         ] {

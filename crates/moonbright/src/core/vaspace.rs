@@ -34,6 +34,8 @@ pub(crate) struct VaSpace {
     recycled: BTreeMap<u64, u64>,
     retired: VecDeque<Retired>,
     retired_bytes: u64,
+    /// When the retired queue last went from empty to non-empty (the age of the batch).
+    retired_since: Option<std::time::Instant>,
 }
 
 impl VaSpace {
@@ -91,6 +93,9 @@ impl VaSpace {
     }
 
     pub fn retire(&mut self, r: Retired) {
+        if self.retired.is_empty() {
+            self.retired_since = Some(std::time::Instant::now());
+        }
         self.retired_bytes += r.len;
         self.retired.push_back(r);
     }
@@ -103,10 +108,16 @@ impl VaSpace {
         self.retired_bytes
     }
 
+    /// How long the oldest retired range has waited.
+    pub fn retired_age(&self) -> std::time::Duration {
+        self.retired_since.map_or(std::time::Duration::ZERO, |t| t.elapsed())
+    }
+
     /// Takes every retired range, merged into runs of adjacent ranges (one unmap each).
     pub fn take_retired_runs(&mut self) -> Vec<UnmapRun> {
         let mut all: Vec<Retired> = self.retired.drain(..).collect();
         self.retired_bytes = 0;
+        self.retired_since = None;
         all.sort_by_key(|r| r.va);
         let mut runs: Vec<UnmapRun> = Vec::new();
         for r in all {

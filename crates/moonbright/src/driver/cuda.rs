@@ -23,7 +23,7 @@ const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
 /// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-const REQUIRED_SYMBOLS: [&str; 25] = [
+const REQUIRED_SYMBOLS: [&str; 27] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -49,6 +49,8 @@ const REQUIRED_SYMBOLS: [&str; 25] = [
     "cuEventRecord",
     "cuEventQuery",
     "cuEventDestroy_v2",
+    "cuEventSynchronize",
+    "cuStreamIsCapturing",
 ];
 
 /// Gives each [`CudaDriver`] a distinct id for the per-thread current-context cache. An id, not
@@ -525,6 +527,25 @@ impl Driver for CudaDriver {
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
         let r = unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
         check(kind, r, || format!("cuEventDestroy_v2(event={:#x})", event.0))
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
+        let kind = CallKind::EventSynchronize;
+        self.make_current(kind)?;
+        // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
+        let r = unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) };
+        check(kind, r, || format!("cuEventSynchronize(event={:#x})", event.0))
+    }
+
+    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
+        let kind = CallKind::StreamIsCapturing;
+        self.make_current(kind)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is the caller's (or null for the default stream) and `status` is a
+        // valid out-pointer for the duration of the call.
+        let r = unsafe { sys::cuStreamIsCapturing(stream.0 as sys::CUstream, &mut status) };
+        check(kind, r, || format!("cuStreamIsCapturing(stream={:#x})", stream.0))?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 }
 

@@ -91,6 +91,8 @@ struct State {
     next_hold: u64,
     next_event: u64,
     events: HashMap<u64, EventState>,
+    /// Streams a test has put into graph capture.
+    capturing: std::collections::HashSet<u64>,
 }
 
 fn err(call: CallKind, code: i32, message: impl Into<String>) -> DriverError {
@@ -153,6 +155,7 @@ impl HostDriver {
                 next_hold: 1,
                 next_event: 1,
                 events: HashMap::new(),
+                capturing: std::collections::HashSet::new(),
             }),
         })
     }
@@ -179,6 +182,16 @@ impl HostDriver {
         if let Some(hold) = self.lock().streams.get_mut(&s.0) {
             *hold = None;
         }
+    }
+
+    /// Test hook: `s` reports being captured into a graph until [`Self::end_capture`].
+    pub fn begin_capture(&self, s: StreamHandle) {
+        self.lock().capturing.insert(s.0);
+    }
+
+    /// Test hook: ends a capture begun by [`Self::begin_capture`].
+    pub fn end_capture(&self, s: StreamHandle) {
+        self.lock().capturing.remove(&s.0);
     }
 
     /// Bytes of the memfd actually backed by RAM.
@@ -772,6 +785,24 @@ impl Driver for HostDriver {
                 format!("destroy_event: event {} is unknown", event.0),
             )),
         }
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
+        // Nothing runs on the host model, so a held stream would never finish: refuse rather
+        // than hang.
+        match self.event_done(event) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(err(
+                CallKind::EventSynchronize,
+                code::NOT_READY,
+                format!("synchronize_event: event {} waits on a held stream", event.0),
+            )),
+            Err(e) => Err(DriverError { call: CallKind::EventSynchronize, ..e }),
+        }
+    }
+
+    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
+        Ok(self.lock().capturing.contains(&stream.0))
     }
 }
 

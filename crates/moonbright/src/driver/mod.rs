@@ -76,11 +76,15 @@ pub enum CallKind {
     EventQuery,
     /// `cuEventDestroy`.
     EventDestroy,
+    /// `cuEventSynchronize`.
+    EventSynchronize,
+    /// `cuStreamIsCapturing`.
+    StreamIsCapturing,
 }
 
 impl CallKind {
     /// Every kind, in counter order.
-    pub const ALL: [CallKind; 15] = [
+    pub const ALL: [CallKind; 17] = [
         CallKind::MemInfo,
         CallKind::Reserve,
         CallKind::FreeReservation,
@@ -96,6 +100,8 @@ impl CallKind {
         CallKind::EventRecord,
         CallKind::EventQuery,
         CallKind::EventDestroy,
+        CallKind::EventSynchronize,
+        CallKind::StreamIsCapturing,
     ];
 
     /// The driver function this kind stands for.
@@ -116,6 +122,8 @@ impl CallKind {
             CallKind::EventRecord => "cuEventRecord",
             CallKind::EventQuery => "cuEventQuery",
             CallKind::EventDestroy => "cuEventDestroy",
+            CallKind::EventSynchronize => "cuEventSynchronize",
+            CallKind::StreamIsCapturing => "cuStreamIsCapturing",
         }
     }
 
@@ -137,6 +145,8 @@ impl CallKind {
             CallKind::EventRecord => "event_record",
             CallKind::EventQuery => "event_query",
             CallKind::EventDestroy => "event_destroy",
+            CallKind::EventSynchronize => "event_synchronize",
+            CallKind::StreamIsCapturing => "stream_is_capturing",
         }
     }
 }
@@ -239,6 +249,10 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn event_done(&self, event: EventHandle) -> DriverResult<bool>;
     /// Destroys an event.
     fn destroy_event(&self, event: EventHandle) -> DriverResult<()>;
+    /// Blocks the calling thread until the event's work has completed (never the device).
+    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()>;
+    /// Whether `stream` is being captured into a CUDA graph.
+    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool>;
 }
 
 /// Counts of driver calls by kind.
@@ -435,6 +449,14 @@ impl<D: Driver> Driver for Instrumented<D> {
     fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
         self.enter(CallKind::EventDestroy)?;
         self.inner.destroy_event(event)
+    }
+    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
+        self.enter(CallKind::EventSynchronize)?;
+        self.inner.synchronize_event(event)
+    }
+    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
+        self.enter(CallKind::StreamIsCapturing)?;
+        self.inner.is_capturing(stream)
     }
 }
 

@@ -1,0 +1,146 @@
+//! Map plans and their execution. A plan is decided under the heap lock and holds everything the
+//! driver must do for one new range (release chunks to split, create chunks, map them back to
+//! back, set access); `execute` runs it with no lock held and undoes its own driver effects on
+//! failure, and the heap commits the outcome under the lock again.
+
+use super::pool::ChunkId;
+use crate::driver::{ChunkHandle, Driver, DriverError};
+
+/// What a range-making request will do with the driver.
+#[derive(Debug)]
+pub(crate) struct MapPlan {
+    /// Identifies the plan's claims while it is in flight.
+    pub id: u64,
+    /// The fresh address the range goes to, and its length.
+    pub va: u64,
+    pub len: u64,
+    /// Bytes a page.
+    pub page: u64,
+    /// Chunks the range reuses, in address order: (id, handle, pages).
+    pub existing: Vec<(ChunkId, ChunkHandle, u64)>,
+    /// Bare chunks to release first, to be recreated smaller (a split).
+    pub release: Vec<(ChunkId, ChunkHandle, u64)>,
+    /// Pages of the chunks to create for the range, mapped after `existing`.
+    pub create: Vec<u64>,
+    /// Pages of chunks to create and leave bare (what a split has left over).
+    pub spare: Vec<u64>,
+}
+
+impl MapPlan {
+    /// Pages this plan creates in all.
+    pub fn created_pages(&self) -> u64 {
+        self.create.iter().chain(&self.spare).sum()
+    }
+
+    /// Pages this plan releases in all.
+    pub fn released_pages(&self) -> u64 {
+        self.release.iter().map(|r| r.2).sum()
+    }
+}
+
+/// What execution did.
+#[derive(Debug)]
+pub(crate) struct Executed {
+    /// How many of `plan.release` were released (a prefix).
+    pub released: usize,
+    /// Chunks created for the range, in order: (handle, pages). On failure, those that could not
+    /// be released again; they go bare.
+    pub created: Vec<(ChunkHandle, u64)>,
+    /// Spare chunks created.
+    pub spares: Vec<(ChunkHandle, u64)>,
+    /// Ok, or the first failure.
+    pub result: Result<(), DriverError>,
+    /// On failure: the length of a mapped prefix whose unmap failed too, and how many chunks of
+    /// `existing ++ created` it holds. It must be retired.
+    pub stuck: Option<(u64, usize)>,
+}
+
+/// Runs a plan: releases, creates, maps and sets access; on failure undoes its own work as far
+/// as the driver lets it.
+pub(crate) fn execute(driver: &dyn Driver, plan: &MapPlan) -> Executed {
+    let mut ex = Executed {
+        released: 0,
+        created: Vec::new(),
+        spares: Vec::new(),
+        result: Ok(()),
+        stuck: None,
+    };
+    for &(_, handle, _) in &plan.release {
+        if let Err(e) = driver.release_chunk(handle) {
+            ex.result = Err(e);
+            return ex;
+        }
+        ex.released += 1;
+    }
+    for &pages in &plan.spare {
+        match driver.create_chunk((pages * plan.page) as usize) {
+            Ok(h) => ex.spares.push((h, pages)),
+            Err(e) => {
+                ex.result = Err(e);
+                return ex;
+            }
+        }
+    }
+    for &pages in &plan.create {
+        match driver.create_chunk((pages * plan.page) as usize) {
+            Ok(h) => ex.created.push((h, pages)),
+            Err(e) => {
+                ex.result = Err(e);
+                release_created(driver, &mut ex.created, 0);
+                return ex;
+            }
+        }
+    }
+    let all: Vec<(ChunkHandle, u64)> =
+        plan.existing.iter().map(|&(_, h, p)| (h, p)).chain(ex.created.iter().copied()).collect();
+    let mut at = plan.va;
+    let mut mapped = 0;
+    let mut failure = None;
+    for &(h, pages) in &all {
+        let len = pages * plan.page;
+        if let Err(e) = driver.map(at, len as usize, h) {
+            failure = Some(e);
+            break;
+        }
+        at += len;
+        mapped += 1;
+    }
+    if failure.is_none() {
+        match driver.set_access(plan.va, plan.len as usize) {
+            Ok(()) => return ex,
+            Err(e) => failure = Some(e),
+        }
+    }
+    ex.result = Err(failure.expect("mapping stopped early or set access failed"));
+    if mapped > 0 && driver.unmap(plan.va, (at - plan.va) as usize).is_err() {
+        ex.stuck = Some((at - plan.va, mapped));
+    }
+    // Created chunks still mapped in a stuck prefix cannot be released; the rest can.
+    let keep = ex.stuck.map_or(0, |(_, n)| n.saturating_sub(plan.existing.len()));
+    release_created(driver, &mut ex.created, keep);
+    ex
+}
+
+/// Releases `created[keep..]`; those whose release fails stay in the list.
+fn release_created(driver: &dyn Driver, created: &mut Vec<(ChunkHandle, u64)>, keep: usize) {
+    let mut kept = created[..keep].to_vec();
+    for &(h, p) in &created[keep..] {
+        if driver.release_chunk(h).is_err() {
+            kept.push((h, p));
+        }
+    }
+    *created = kept;
+}
+
+/// A run of retired ranges to unmap in one call, taken out of the queue under the lock.
+pub(crate) fn unmap_runs(
+    driver: &dyn Driver,
+    runs: &[super::vaspace::UnmapRun],
+) -> (usize, Option<DriverError>) {
+    for (i, run) in runs.iter().enumerate() {
+        if let Err(e) = driver.unmap(run.va, run.len as usize) {
+            return (i, Some(e));
+        }
+    }
+    (runs.len(), None)
+}

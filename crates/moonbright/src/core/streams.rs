@@ -1,0 +1,253 @@
+//! Stream-ordered frees: what each stream has freed but its own work may still use. Items wait
+//! here until an event recorded after their free has completed; until then only their own stream
+//! may reuse them (stream order makes that safe), by exact size. Pure bookkeeping.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use crate::driver::EventHandle;
+
+/// Something freed on a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pending {
+    /// A whole range of `pages` pages (an allocation of a page or more).
+    Range { id: u32, pages: u64 },
+    /// A sub-page block, still marked used in its arena.
+    Block { ptr: u64, arena: u32, offset: u64, rounded: u64 },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    epoch: u64,
+    what: Pending,
+}
+
+/// One stream's pending frees and the events that will complete them.
+#[derive(Debug, Default)]
+pub(crate) struct StreamFrees {
+    /// Items by a global sequence number, so the oldest come first.
+    items: BTreeMap<u64, Item>,
+    ranges_by_size: BTreeSet<(u64, u64)>,
+    blocks_by_size: BTreeSet<(u64, u64)>,
+    /// The epoch the next free gets; every event recorded after a free covers its epoch.
+    next_epoch: u64,
+    /// Events recorded, oldest first, with the newest epoch each covers.
+    events: VecDeque<(u64, EventHandle)>,
+    /// Events done and ready to be recorded again.
+    spare_events: Vec<EventHandle>,
+    /// The highest epoch a recorded event covers.
+    covered: Option<u64>,
+}
+
+impl StreamFrees {
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Records a free; returns its epoch.
+    pub fn push(&mut self, seq: u64, what: Pending) -> u64 {
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        self.items.insert(seq, Item { epoch, what });
+        match what {
+            Pending::Range { pages, .. } => self.ranges_by_size.insert((pages, seq)),
+            Pending::Block { rounded, .. } => self.blocks_by_size.insert((rounded, seq)),
+        };
+        epoch
+    }
+
+    fn remove(&mut self, seq: u64) -> Pending {
+        let item = self.items.remove(&seq).expect("pending item missing");
+        match item.what {
+            Pending::Range { pages, .. } => self.ranges_by_size.remove(&(pages, seq)),
+            Pending::Block { rounded, .. } => self.blocks_by_size.remove(&(rounded, seq)),
+        };
+        item.what
+    }
+
+    /// The newest range of exactly `pages` pages, for reuse by this stream.
+    pub fn take_range(&mut self, pages: u64) -> Option<u32> {
+        let &(_, seq) = self.ranges_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()?;
+        match self.remove(seq) {
+            Pending::Range { id, .. } => Some(id),
+            Pending::Block { .. } => unreachable!("size index points at a block"),
+        }
+    }
+
+    /// The newest block of exactly `rounded` bytes, for reuse by this stream: (ptr, arena, offset).
+    pub fn take_block(&mut self, rounded: u64) -> Option<(u64, u32, u64)> {
+        let &(_, seq) =
+            self.blocks_by_size.range((rounded, 0)..=(rounded, u64::MAX)).next_back()?;
+        match self.remove(seq) {
+            Pending::Block { ptr, arena, offset, .. } => Some((ptr, arena, offset)),
+            Pending::Range { .. } => unreachable!("size index points at a range"),
+        }
+    }
+
+    /// The newest epoch handed out, if any free happened: an event recorded now covers it.
+    pub fn newest_epoch(&self) -> Option<u64> {
+        self.next_epoch.checked_sub(1)
+    }
+
+    /// Whether some free is not yet covered by a recorded event.
+    pub fn needs_event(&self) -> bool {
+        !self.items.is_empty() && self.newest_epoch() > self.covered
+    }
+
+    /// An event to record (a spare one, if any).
+    pub fn spare_event(&mut self) -> Option<EventHandle> {
+        self.spare_events.pop()
+    }
+
+    /// Notes that `event`, recorded after the free of epoch `epoch`, covers every epoch up to it.
+    pub fn recorded(&mut self, epoch: u64, event: EventHandle) {
+        self.covered = self.covered.max(Some(epoch));
+        self.events.push_back((epoch, event));
+    }
+
+    /// Gives back an event that could not be recorded.
+    pub fn return_event(&mut self, event: EventHandle) {
+        self.spare_events.push(event);
+    }
+
+    /// Events to query, oldest first.
+    pub fn events(&self) -> impl Iterator<Item = (u64, EventHandle)> + '_ {
+        self.events.iter().copied()
+    }
+
+    /// Notes that every event up to and including `event` has completed; returns the items they
+    /// free, oldest first.
+    pub fn completed(&mut self, event: EventHandle) -> Vec<Pending> {
+        let mut upto = None;
+        while let Some(&(epoch, ev)) = self.events.front() {
+            self.events.pop_front();
+            self.spare_events.push(ev);
+            upto = Some(epoch);
+            if ev == event {
+                break;
+            }
+        }
+        let Some(upto) = upto else { return Vec::new() };
+        let done: Vec<u64> =
+            self.items.iter().take_while(|(_, it)| it.epoch <= upto).map(|(&s, _)| s).collect();
+        done.into_iter().map(|s| self.remove(s)).collect()
+    }
+
+    /// Every item, for checks.
+    pub fn items(&self) -> impl Iterator<Item = Pending> + '_ {
+        self.items.values().map(|it| it.what)
+    }
+
+    /// Every event this stream holds (recorded and spare), for teardown.
+    pub fn all_events(&self) -> Vec<EventHandle> {
+        self.events.iter().map(|e| e.1).chain(self.spare_events.iter().copied()).collect()
+    }
+}
+
+/// The pending frees of every stream.
+#[derive(Debug, Default)]
+pub(crate) struct Streams {
+    by_stream: HashMap<u64, StreamFrees>,
+    next_seq: u64,
+    pending_pages: u64,
+}
+
+impl Streams {
+    pub fn get_mut(&mut self, stream: u64) -> Option<&mut StreamFrees> {
+        self.by_stream.get_mut(&stream)
+    }
+
+    pub fn entry(&mut self, stream: u64) -> &mut StreamFrees {
+        self.by_stream.entry(stream).or_default()
+    }
+
+    /// Records a free on `stream`; returns its epoch.
+    pub fn push(&mut self, stream: u64, what: Pending) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if let Pending::Range { pages, .. } = what {
+            self.pending_pages += pages;
+        }
+        self.entry(stream).push(seq, what)
+    }
+
+    /// Notes that a range left the pending lists (reused or completed).
+    pub fn range_left(&mut self, pages: u64) {
+        self.pending_pages -= pages;
+    }
+
+    /// Pages in ranges freed on a stream and not completed yet.
+    pub fn pending_pages(&self) -> u64 {
+        self.pending_pages
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &StreamFrees)> {
+        self.by_stream.iter().map(|(&s, f)| (s, f))
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut StreamFrees)> {
+        self.by_stream.iter_mut().map(|(&s, f)| (s, f))
+    }
+
+    /// Whether any stream has frees waiting.
+    pub fn any_pending(&self) -> bool {
+        self.by_stream.values().any(|f| !f.is_empty())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_stream_reuse_by_exact_size_newest_first() {
+        let mut s = StreamFrees::default();
+        s.push(1, Pending::Range { id: 10, pages: 4 });
+        s.push(2, Pending::Range { id: 11, pages: 4 });
+        s.push(3, Pending::Block { ptr: 0x100, arena: 5, offset: 0, rounded: 512 });
+        assert_eq!(s.take_range(3), None);
+        assert_eq!(s.take_range(4), Some(11));
+        assert_eq!(s.take_block(512), Some((0x100, 5, 0)));
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn an_event_completes_exactly_the_frees_before_it() {
+        let mut s = StreamFrees::default();
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        assert!(s.needs_event());
+        s.recorded(e0, EventHandle(100));
+        assert!(!s.needs_event());
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        s.recorded(e1, EventHandle(101));
+        s.push(3, Pending::Range { id: 3, pages: 1 });
+        assert!(s.needs_event(), "the third free has no event yet");
+        assert_eq!(s.completed(EventHandle(100)), vec![Pending::Range { id: 1, pages: 1 }]);
+        assert_eq!(s.completed(EventHandle(101)), vec![Pending::Range { id: 2, pages: 1 }]);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.spare_event(), Some(EventHandle(101)));
+    }
+
+    #[test]
+    fn a_later_event_covers_earlier_frees_that_had_none() {
+        let mut s = StreamFrees::default();
+        s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e = s.push(2, Pending::Range { id: 2, pages: 1 });
+        s.recorded(e, EventHandle(7));
+        assert_eq!(s.completed(EventHandle(7)).len(), 2);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn reused_items_do_not_complete_twice() {
+        let mut s = StreamFrees::default();
+        let e = s.push(1, Pending::Range { id: 1, pages: 2 });
+        s.recorded(e, EventHandle(7));
+        assert_eq!(s.take_range(2), Some(1));
+        assert!(s.completed(EventHandle(7)).is_empty());
+    }
+}

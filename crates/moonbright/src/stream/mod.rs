@@ -1,0 +1,341 @@
+//! The stream-ordered front end: every request's path through the heap lock and the driver.
+//! Fast paths take the lock once and make no driver call. Everything that needs the driver
+//! (new ranges, events, unmaps, releases) is planned under the lock, run without it, and
+//! committed under it again, so no lock a request needs is ever held across a driver call.
+
+pub(crate) mod worker;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use crate::allocator::Backend;
+use crate::config::Options;
+use crate::core::heap::{Fast, Heap, RangeId, Step};
+use crate::core::mapping::{execute, unmap_runs};
+use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
+use crate::error::{Error, Result};
+
+/// How many times a request re-plans while other threads' unmaps are in flight before giving up.
+const MAX_REPLANS: usize = 10_000;
+
+/// What the allocator's handle and its background worker share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub driver: Instrumented<Backend>,
+    heap: Mutex<Heap>,
+    /// Wakes the worker early (a free to record, demand for the window).
+    wake: Condvar,
+    pub stop: AtomicBool,
+    pub options: Options,
+}
+
+impl Shared {
+    pub fn new(driver: Instrumented<Backend>, heap: Heap, options: Options) -> Self {
+        Shared {
+            driver,
+            heap: Mutex::new(heap),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            options,
+        }
+    }
+
+    pub fn heap(&self) -> MutexGuard<'_, Heap> {
+        // A panic while the lock was held can only come from a debug assertion; the heap is
+        // consistent between the statements that touch it, so going on is sound.
+        self.heap.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn validated(&self, heap: &Heap) {
+        if self.options.validate {
+            if let Err(e) = heap.check() {
+                panic!("MoonBright invariant broken: {e}");
+            }
+        }
+    }
+
+    pub fn wake_worker(&self) {
+        self.wake.notify_one();
+    }
+
+    fn refuse_capture(&self, stream: StreamHandle) -> Result<()> {
+        if self.driver.is_capturing(stream)? {
+            return Err(Error::StreamCapture { stream: stream.0 });
+        }
+        Ok(())
+    }
+
+    // ---- requests -------------------------------------------------------------------------------
+
+    /// Allocates for `stream` (`None`: the caller orders everything itself, no capture check).
+    pub fn malloc(&self, size: u64, stream: Option<StreamHandle>) -> Result<DevicePtr> {
+        let s = match stream {
+            Some(s) => {
+                self.refuse_capture(s)?;
+                s.0
+            }
+            None => 0,
+        };
+        let (pages, arena) = {
+            let mut heap = self.heap();
+            let fast = heap.try_fast(size, s);
+            self.validated(&heap);
+            match fast? {
+                Fast::Done(ptr) => return Ok(ptr),
+                Fast::NeedRange { pages, arena } => (pages, arena),
+            }
+        };
+        let id = self.new_range(pages, size, s)?;
+        let mut heap = self.heap();
+        let ptr = heap.finish(id, size, s, arena);
+        self.validated(&heap);
+        drop(heap);
+        self.wake_worker();
+        Ok(ptr)
+    }
+
+    /// Frees at once (the caller guarantees the device is done with it).
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let mut heap = self.heap();
+        let r = heap.free_now(ptr);
+        self.validated(&heap);
+        r
+    }
+
+    /// Frees in `stream`'s order: an event recorded on `stream` right after the free tells when
+    /// other streams may reuse the memory.
+    pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.refuse_capture(stream)?;
+        let (epoch, spare) = {
+            let mut heap = self.heap();
+            let r = heap.free_on_stream(ptr, stream.0);
+            self.validated(&heap);
+            r?
+        };
+        // A failure here is not the caller's: the free took effect, and a later event on the
+        // stream (the worker records one) covers it.
+        if let Err(e) = self.record(stream.0, epoch, spare) {
+            self.heap().note_deferred_error(e);
+        }
+        self.wake_worker();
+        Ok(())
+    }
+
+    /// Records an event on `stream` covering the free of `epoch`.
+    fn record(
+        &self,
+        stream: u64,
+        epoch: u64,
+        spare: Option<EventHandle>,
+    ) -> std::result::Result<(), DriverError> {
+        let event = match spare {
+            Some(e) => e,
+            None => self.driver.create_event()?,
+        };
+        match self.driver.record_event(event, StreamHandle(stream)) {
+            Ok(()) => {
+                self.heap().event_recorded(stream, epoch, event);
+                Ok(())
+            }
+            Err(e) => {
+                self.heap().return_event(stream, event);
+                Err(e)
+            }
+        }
+    }
+
+    /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
+    /// reservation or a flush, and waiting for other streams' frees before reporting OOM.
+    fn new_range(&self, pages: u64, requested: u64, stream: u64) -> Result<RangeId> {
+        if !self.options.background {
+            self.poll_events();
+        }
+        let mut waited = false;
+        for _ in 0..MAX_REPLANS {
+            let step = self.heap().plan_range(pages, requested);
+            match step {
+                Step::Map(plan) => {
+                    let ex = execute(&self.driver, &plan);
+                    let mut heap = self.heap();
+                    let r = heap.commit(plan, ex);
+                    self.validated(&heap);
+                    return r;
+                }
+                Step::Reserve(len) => {
+                    let page = self.driver.granularity();
+                    let base = self.driver.reserve(len as usize, page)?;
+                    self.heap().add_reservation(base, len);
+                }
+                Step::Flush => {
+                    if !self.flush()? {
+                        // Another thread's unmaps are in flight: let them land.
+                        std::thread::yield_now();
+                    }
+                }
+                Step::OutOfMemory(e) => {
+                    if !waited && self.heap().has_pending_frees() {
+                        waited = true;
+                        self.wait_for_pending_frees()?;
+                        continue;
+                    }
+                    self.heap().note_oom(requested, stream);
+                    return Err(e);
+                }
+            }
+        }
+        Err(Error::Driver(DriverError::new(
+            crate::driver::CallKind::Unmap,
+            crate::driver::code::UNKNOWN,
+            "gave up waiting for unmaps in flight",
+        )))
+    }
+
+    // ---- events ---------------------------------------------------------------------------------
+
+    /// Records an event on every stream with frees no event covers yet.
+    pub fn record_missing_events(&self) {
+        let needing = self.heap().streams_needing_events();
+        for (stream, epoch, spare) in needing {
+            if let Err(e) = self.record(stream, epoch, spare) {
+                self.heap().note_deferred_error(e);
+            }
+        }
+    }
+
+    /// Queries recorded events, oldest first per stream, and frees what the completed ones cover.
+    /// Returns whether anything completed.
+    pub fn poll_events(&self) -> bool {
+        let to_query = self.heap().events_to_query();
+        let mut any = false;
+        for (stream, events) in to_query {
+            let mut last_done = None;
+            for ev in events {
+                match self.driver.event_done(ev) {
+                    Ok(true) => last_done = Some(ev),
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.heap().note_deferred_error(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(ev) = last_done {
+                let mut heap = self.heap();
+                heap.events_completed(stream, ev);
+                self.validated(&heap);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Waits (on the host, never the device) until every stream's pending frees have completed.
+    fn wait_for_pending_frees(&self) -> Result<()> {
+        self.record_missing_events();
+        let to_wait = self.heap().events_to_query();
+        for (stream, events) in to_wait {
+            if let Some(&last) = events.last() {
+                self.driver.synchronize_event(last)?;
+                let mut heap = self.heap();
+                heap.events_completed(stream, last);
+                self.validated(&heap);
+            }
+        }
+        Ok(())
+    }
+
+    // ---- unmapping and releasing ----------------------------------------------------------------
+
+    /// Unmaps every retired range now. Returns whether there was anything to unmap.
+    pub fn flush(&self) -> Result<bool> {
+        let runs = self.heap().take_unmap_batch();
+        if runs.is_empty() {
+            return Ok(false);
+        }
+        let (done, error) = unmap_runs(&self.driver, &runs);
+        let mut heap = self.heap();
+        heap.commit_unmap(runs, done, error.clone());
+        self.validated(&heap);
+        match error {
+            Some(e) => {
+                // Reported here: the caller asked for the flush.
+                heap.take_deferred_error();
+                Err(e.into())
+            }
+            None => Ok(true),
+        }
+    }
+
+    /// Gives back every page no allocation or pending free uses. Returns the bytes released.
+    pub fn release_unused(&self) -> Result<u64> {
+        self.poll_events();
+        self.heap().retire_all_free();
+        self.flush()?;
+        let chunks = self.heap().take_releasable();
+        let mut released = vec![false; chunks.len()];
+        let mut first_error = None;
+        for (i, &(_, handle, _)) in chunks.iter().enumerate() {
+            match self.driver.release_chunk(handle) {
+                Ok(()) => released[i] = true,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let page = self.driver.granularity() as u64;
+        let bytes: u64 =
+            chunks.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
+        let mut heap = self.heap();
+        heap.commit_releases(chunks, &released);
+        self.validated(&heap);
+        match first_error {
+            Some(e) => Err(e.into()),
+            None => Ok(bytes),
+        }
+    }
+
+    /// Unmaps and releases everything; reports allocations still live and driver errors on
+    /// stderr (a destructor cannot return them).
+    pub fn teardown(&self) {
+        let t = self.heap().teardown();
+        let mut first_error: Option<DriverError> = None;
+        let (done, error) = unmap_runs(&self.driver, &t.runs);
+        if let Some(e) = error {
+            first_error.get_or_insert(e);
+        }
+        let all_unmapped = done == t.runs.len();
+        for &h in &t.chunks {
+            if let Err(e) = self.driver.release_chunk(h) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if all_unmapped {
+            for &(base, len) in &t.reservations {
+                if let Err(e) = self.driver.free_reservation(base, len as usize) {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        for &ev in &t.events {
+            let _ = self.driver.destroy_event(ev);
+        }
+        if t.leaked > 0 {
+            eprintln!(
+                "moonbright: {} allocations were still live when the allocator was dropped",
+                t.leaked
+            );
+        }
+        if let Some(e) = first_error {
+            eprintln!("moonbright: teardown: {e}");
+        }
+    }
+
+    /// Sleeps the worker until woken or `timeout` passes.
+    pub fn worker_wait(&self, timeout: std::time::Duration) {
+        let heap = self.heap();
+        if self.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let _ = self.wake.wait_timeout(heap, timeout);
+    }
+}

@@ -1,0 +1,112 @@
+//! The background worker: records events for stream frees and polls them, unmaps retired ranges
+//! in batches (away from the mapping of new ranges, which is what keeps running kernels
+//! undisturbed), and keeps the mapped window filled to a size taken from recent demand.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::Shared;
+use crate::core::heap::Step;
+use crate::core::mapping::execute;
+use crate::driver::Driver;
+
+/// Most pages mapped into the window in one step, so a refill never runs long.
+const REFILL_BATCH_PAGES: u64 = 128;
+/// How far ahead of demand the window reaches.
+const WINDOW_HORIZON: Duration = Duration::from_millis(50);
+/// Tick while there is work in flight, and the longest sleep when idle.
+const BUSY_TICK: Duration = Duration::from_micros(200);
+const IDLE_TICK: Duration = Duration::from_millis(20);
+
+/// Recent demand for fresh pages, in pages a second (an exponential moving average).
+#[derive(Debug)]
+struct Demand {
+    rate: f64,
+    last: Instant,
+}
+
+impl Demand {
+    fn update(&mut self, pages: u64) -> f64 {
+        let now = Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64().max(1e-4);
+        self.last = now;
+        let sample = pages as f64 / dt;
+        // Rise fast, decay slowly: a burst needs the window now, an idle spell can wait.
+        let alpha = if sample > self.rate { 0.5 } else { 0.05 };
+        self.rate += alpha * (sample - self.rate);
+        self.rate
+    }
+}
+
+/// The worker's loop; returns when `shared.stop` is set.
+pub(crate) fn run(shared: Arc<Shared>) {
+    let page = shared.driver.granularity() as u64;
+    let min_pages = shared.options.prefetch_window_min / page;
+    let max_pages = shared.options.prefetch_window_max / page;
+    let mut demand = Demand { rate: 0.0, last: Instant::now() };
+    while !shared.stop.load(Ordering::Acquire) {
+        shared.record_missing_events();
+        let mut busy = shared.poll_events();
+        if shared.heap().unmap_due() {
+            // A failed unmap stays retired and is retried; the error is recorded for the user.
+            if let Err(crate::Error::Driver(e)) = shared.flush() {
+                shared.heap().note_deferred_error(e);
+            }
+            busy = true;
+        }
+        if max_pages > 0 {
+            busy |= refill_window(&shared, &mut demand, min_pages, max_pages, page);
+        }
+        let pending = {
+            let heap = shared.heap();
+            heap.has_pending_frees() || heap.unmap_due()
+        };
+        shared.worker_wait(if busy || pending { BUSY_TICK } else { IDLE_TICK });
+    }
+}
+
+/// Maps one batch into the window if it is below its target. Returns whether it mapped any.
+fn refill_window(
+    shared: &Shared,
+    demand: &mut Demand,
+    min_pages: u64,
+    max_pages: u64,
+    page: u64,
+) -> bool {
+    let plan = {
+        let mut heap = shared.heap();
+        let rate = demand.update(heap.take_fresh_demand());
+        let target =
+            ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, max_pages);
+        let have = heap.window_pages();
+        let want = target.saturating_sub(have).min(REFILL_BATCH_PAGES);
+        // New chunks for the window are held memory: allow a small share of what is allocated.
+        let allocated_pages = heap.stats().allocated_bytes.current / page;
+        let create = (min_pages.max(allocated_pages / 32)).saturating_sub(have).min(want);
+        heap.plan_window_refill(want, create)
+    };
+    let plan = match plan {
+        None | Some(Step::OutOfMemory(_)) => return false,
+        Some(Step::Flush) => {
+            if let Err(crate::Error::Driver(e)) = shared.flush() {
+                shared.heap().note_deferred_error(e);
+            }
+            return true;
+        }
+        Some(Step::Reserve(len)) => {
+            match shared.driver.reserve(len as usize, page as usize) {
+                Ok(base) => shared.heap().add_reservation(base, len),
+                Err(e) => shared.heap().note_deferred_error(e),
+            }
+            return true;
+        }
+        Some(Step::Map(plan)) => plan,
+    };
+    let ex = execute(&shared.driver, &plan);
+    let mut heap = shared.heap();
+    if let Err(crate::Error::Driver(e)) = heap.commit_window(plan, ex) {
+        heap.note_deferred_error(e);
+    }
+    true
+}

@@ -1,0 +1,232 @@
+//! Stream-ordered semantics on the host backend, whose streams can be held so that their events
+//! stay pending: reuse by the freeing stream at once, by other streams only after the event,
+//! waiting for pending frees before an OOM, graph capture refused, the background worker's
+//! events, unmap batches and mapped window.
+
+use std::time::{Duration, Instant};
+
+use moonbright::scenario::{stamp, verify};
+use moonbright::{Allocator, CallKind, Error, Options, StreamHandle};
+
+const PAGE: usize = 64 << 10;
+
+fn opts(background: bool) -> Options {
+    Options {
+        cap_fraction: 1.0,
+        background,
+        max_chunk_bytes: 4 * PAGE as u64,
+        ..Options::host(64 * PAGE as u64, PAGE)
+    }
+}
+
+fn streams(a: &Allocator, n: usize) -> Vec<StreamHandle> {
+    (0..n).map(|_| a.driver().create_stream().unwrap()).collect()
+}
+
+use moonbright::driver::Driver;
+
+fn host(a: &Allocator) -> &moonbright::driver::host::HostDriver {
+    a.driver().inner().as_host().unwrap()
+}
+
+/// Waits until `cond` holds, for at most two seconds.
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(2), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn the_freeing_stream_reuses_at_once_others_wait_for_the_event() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    stamp(&a, p, 3 * PAGE, 1).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    assert_eq!(a.stats().driver_calls.get(CallKind::EventRecord), 1);
+
+    // Another stream must not get the memory while s0's work may still use it.
+    let q = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert_ne!(q, p);
+    stamp(&a, q, 3 * PAGE, 2).unwrap();
+    assert!(verify(&a, p, 3 * PAGE, 1).unwrap(), "the pending range was handed to another stream");
+    a.free_async(q, s[1]).unwrap();
+
+    // The freeing stream gets it back at once, with no driver call.
+    let maps = a.stats().driver_calls.get(CallKind::Map);
+    let again = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    assert_eq!(again, p);
+    assert_eq!(a.stats().driver_calls.get(CallKind::Map), maps);
+    a.free_async(again, s[0]).unwrap();
+
+    // Until the event completes, s1 still cannot have it; afterwards it can.
+    assert!(!a.poll() || a.malloc_async(3 * PAGE, s[1]).unwrap() != p);
+    host(&a).release_stream(s[0]);
+    assert!(a.poll());
+    let hits = a.stats().cache_hits;
+    let r = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert!(r == p || r == q, "a completed free should be reused as it is");
+    assert_eq!(a.stats().cache_hits, hits + 1);
+    a.free_async(r, s[1]).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn sub_page_blocks_follow_the_same_order() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(1000, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    let q = a.malloc_async(1000, s[1]).unwrap();
+    assert_ne!(p, q, "a pending block went to another stream");
+    assert_eq!(a.malloc_async(1000, s[0]).unwrap(), p, "the freeing stream reuses its block");
+    a.free_async(p, s[0]).unwrap();
+    host(&a).release_stream(s[0]);
+    a.poll();
+    a.free(q).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().allocations.current, 0);
+}
+
+#[test]
+fn an_allocation_waits_for_pending_frees_before_reporting_oom() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let big = 40 * PAGE;
+    let p = a.malloc_async(big, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    // Not polled yet: only waiting on s0's event makes room for s1.
+    let q = a.malloc_async(big, s[1]).unwrap();
+    a.free_async(q, s[1]).unwrap();
+
+    // While s0 is held, its frees cannot complete: the host model refuses to wait forever.
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(big, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    host(&a).hold_stream(s[1]);
+    let err = a.malloc_async(big, s[1]).unwrap_err();
+    assert!(matches!(err, Error::Driver(_) | Error::OutOfMemory { .. }), "{err}");
+    host(&a).release_stream(s[0]);
+    host(&a).release_stream(s[1]);
+    let r = a.malloc_async(big, s[1]).unwrap();
+    a.free(r).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn capture_is_refused_and_changes_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 1)[0];
+    let p = a.malloc_async(PAGE, s).unwrap();
+    host(&a).begin_capture(s);
+    let before = a.stats().allocations;
+    assert_eq!(a.malloc_async(100, s), Err(Error::StreamCapture { stream: s.0 }));
+    assert_eq!(a.free_async(p, s), Err(Error::StreamCapture { stream: s.0 }));
+    assert!(a.stats().allocations == before);
+    assert!(Error::StreamCapture { stream: 1 }.to_string().contains("captured into a CUDA graph"));
+    host(&a).end_capture(s);
+    a.free_async(p, s).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn the_worker_completes_frees_and_unmaps_in_batches() {
+    let a = Allocator::new(Options {
+        unmap_batch_ranges: 1000,
+        unmap_batch_age_us: 1_000,
+        prefetch_window_max: 0,
+        ..opts(true)
+    })
+    .unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(5 * PAGE, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    // Without any call from us, the worker sees the event complete and caches the range.
+    eventually("the free to complete", || a.stats().cached_ranges.current == 1);
+    // A different size steals the cached pages; the old addresses retire and, by age, unmap.
+    let q = a.malloc_async(4 * PAGE, s[1]).unwrap();
+    assert!(a.stats().cached_ranges_stolen >= 1);
+    eventually("the retired range to be unmapped", || {
+        let st = a.stats();
+        st.retired_ranges.current == 0 && st.unmap_batches >= 1
+    });
+    a.free(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn the_window_serves_new_sizes_without_mapping() {
+    let a = Allocator::new(Options {
+        prefetch_window_min: 16 * PAGE as u64,
+        prefetch_window_max: 32 * PAGE as u64,
+        ..opts(true)
+    })
+    .unwrap();
+    let s = streams(&a, 1)[0];
+    eventually("the window to fill", || a.stats().window_bytes.current >= 16 * PAGE as u64);
+    let hits = a.stats().window_hits;
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    let q = a.malloc_async(5 * PAGE, s).unwrap();
+    assert_eq!(a.stats().window_hits, hits + 2);
+    stamp(&a, p, 3 * PAGE, 1).unwrap();
+    stamp(&a, q, 5 * PAGE, 2).unwrap();
+    assert!(verify(&a, p, 3 * PAGE, 1).unwrap() && verify(&a, q, 5 * PAGE, 2).unwrap());
+    a.free_async(p, s).unwrap();
+    a.free_async(q, s).unwrap();
+    // Memory pressure takes pages back from the window: a request for all of memory succeeds.
+    eventually("frees to complete", || a.stats().cached_ranges.current == 2);
+    let all = a.malloc_async(64 * PAGE, s).unwrap();
+    a.free(all).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn threads_on_their_own_streams_keep_their_bytes() {
+    let a = Allocator::new(Options {
+        validate: true,
+        prefetch_window_min: 8 * PAGE as u64,
+        unmap_batch_ranges: 4,
+        ..Options { host_capacity: 256 * PAGE as u64, ..opts(true) }
+    })
+    .unwrap();
+    let s = streams(&a, 4);
+    std::thread::scope(|sc| {
+        for (t, &stream) in s.iter().enumerate() {
+            let (a, s) = (&a, &s);
+            sc.spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..300u64 {
+                    let size = ((t as u64 * 7919 + i * 104_729) % (5 * PAGE as u64)) as usize + 1;
+                    let id = t as u64 * 10_000 + i;
+                    match a.malloc_async(size, stream) {
+                        Ok(p) => {
+                            stamp(a, p, size, id).unwrap();
+                            live.push((p, size, id));
+                        }
+                        Err(Error::OutOfMemory { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                    if live.len() > 6 || (i % 3 == 0 && !live.is_empty()) {
+                        let (p, size, id) = live.remove(0);
+                        assert!(verify(a, p, size, id).unwrap(), "allocation {id} corrupted");
+                        // Half the frees cross streams.
+                        let on = if id % 2 == 0 { stream } else { s[(t + 1) % s.len()] };
+                        a.free_async(p, on).unwrap();
+                    }
+                }
+                for (p, size, id) in live {
+                    assert!(verify(a, p, size, id).unwrap());
+                    a.free_async(p, stream).unwrap();
+                }
+            });
+        }
+    });
+    eventually("every free to complete", || {
+        a.poll();
+        a.stats().allocations.current == 0 && a.check_invariants().is_ok()
+    });
+}
