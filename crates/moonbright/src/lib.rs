@@ -21,6 +21,7 @@ pub mod driver;
 mod error;
 pub mod scenario;
 pub(crate) mod sync;
+pub mod trace;
 
 pub use allocator::{Allocator, Backend};
 pub use config::{BackendKind, Options};
