@@ -303,7 +303,7 @@ pub(crate) fn print_summary(o: &Outcome) {
         println!("first failure: {e}");
     }
     println!();
-    println!("  {:<34} {:>12}   {}", "", "peak", "/ peak allocated");
+    println!("  {:<34} {:>12}   / peak allocated", "", "peak");
     println!("  {:<34} {:>12}", "requested, as the trace records it", gib(rec.peak_requested));
     println!("  {:<34} {:>12}", "MoonBright allocated", gib(s.allocated_bytes.peak));
     println!(
