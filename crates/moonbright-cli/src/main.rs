@@ -1,21 +1,50 @@
-//! The `moonbright` command. `moonbright demo` (the default) runs the fragmentation scenario on
-//! the best backend available, for MoonBright and for a no-remap caching allocator on the same
-//! backend, and prints both outcomes and MoonBright's statistics.
+//! The `moonbright` command.
+//!
+//! - `moonbright demo` (the default) runs the fragmentation scenario on the best backend
+//!   available, for MoonBright and for a no-remap caching allocator on the same backend, and
+//!   prints both outcomes and MoonBright's statistics.
+//! - `moonbright replay TRACE` replays an allocation trace (ours, a PyTorch snapshot's JSON or
+//!   RMM's log) and prints peak allocated and reserved bytes, their ratio, the reserved peak the
+//!   trace recorded, driver calls and allocation latencies.
+//! - `moonbright bench-traces DIR` replays every trace in a directory and writes a markdown table
+//!   and JSON beside PyTorch's recorded figures.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use moonbright::baseline::NoRemapAllocator;
-use moonbright::scenario::{fragmentation, FragmentationReport};
-use moonbright::{Allocator, BackendKind, Options, Stats};
+use clap::{Args, Parser, Subcommand};
+
+mod bench;
+mod demo;
+mod plot;
+mod replay;
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 
 #[derive(Parser)]
 #[command(name = "moonbright", version, about = "MoonBright GPU memory allocator")]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// Options shared by `replay` and `bench-traces`.
+#[derive(Args, Clone, Debug)]
+pub(crate) struct ReplayArgs {
+    /// auto (cuda when a GPU is present), cuda or host.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+    /// Cap on physical memory, in GiB. Default: on the host backend, enough for the trace (1.5x
+    /// its peak live bytes, at least 1 GiB); on CUDA, 95% of device memory.
+    #[arg(long)]
+    pub cap_gib: Option<f64>,
+    /// Host backend: page size (mapping granularity) in KiB.
+    #[arg(long, default_value_t = 2048)]
+    pub host_page_kib: usize,
+    /// Check every allocator invariant after every operation (slow).
+    #[arg(long)]
+    pub validate: bool,
 }
 
 #[derive(Subcommand)]
@@ -33,6 +62,38 @@ enum Command {
         #[arg(long, default_value_t = 16)]
         block_mib: u64,
     },
+    /// Replay an allocation trace through MoonBright: `alloc` events are allocations on their
+    /// stream, `free_completed` events frees. Reads our CSV (gzipped or not), the JSON of a
+    /// PyTorch memory snapshot, or RMM's logging CSV. Exits with 2 when an allocation failed.
+    Replay {
+        /// The trace file.
+        trace: PathBuf,
+        #[command(flatten)]
+        args: ReplayArgs,
+        /// Write a PNG of allocated and reserved bytes over events.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Write every figure as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Replay only the first N events.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Convert the trace to our CSV (gzipped when the name ends in .gz) and exit.
+        #[arg(long)]
+        convert: Option<PathBuf>,
+    },
+    /// Replay every trace in a directory (*.csv, *.csv.gz, *.json) and write a markdown table
+    /// and JSON of peak reserved / peak requested beside PyTorch's recorded figures.
+    BenchTraces {
+        /// Directory of traces.
+        dir: PathBuf,
+        #[command(flatten)]
+        args: ReplayArgs,
+        /// Where to write results.md and results.json [default: bench/results/traces-BACKEND].
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -43,7 +104,13 @@ fn main() -> ExitCode {
         block_mib: 16,
     });
     let result = match command {
-        Command::Demo { backend, cap_mib, block_mib } => demo(&backend, cap_mib, block_mib),
+        Command::Demo { backend, cap_mib, block_mib } => {
+            demo::demo(&backend, cap_mib, block_mib).map_err(|e| e.to_string())
+        }
+        Command::Replay { trace, args, plot, json, limit, convert } => {
+            replay::command(&trace, &args, plot.as_deref(), json.as_deref(), limit, convert)
+        }
+        Command::BenchTraces { dir, args, out } => bench::command(&dir, &args, out),
     };
     match result {
         Ok(code) => code,
@@ -52,107 +119,4 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn demo(backend: &str, cap_mib: u64, block_mib: u64) -> Result<ExitCode, moonbright::Error> {
-    let backend: BackendKind = backend.parse()?;
-    let cap = cap_mib * MIB;
-    let opts = Options {
-        backend,
-        cap_bytes: Some(cap),
-        host_capacity: cap.max(64 * MIB),
-        validate: cfg!(debug_assertions),
-        ..Options::default()
-    };
-    let block = (block_mib * MIB) as usize;
-
-    let mb = Allocator::new(opts.clone())?;
-    println!(
-        "backend: {} | page {} KiB | cap {} MiB | block {} MiB",
-        mb.backend_name(),
-        mb.page_size() >> 10,
-        mb.cap() / MIB,
-        block_mib
-    );
-    let ours = fragmentation(&mb, block, mb.cap())?;
-    let stats = mb.stats();
-    mb.release_unused()?;
-    drop(mb);
-
-    // The baseline carves blocks out of segments of eight blocks, as PyTorch carves its segments.
-    let base = NoRemapAllocator::new(&opts, 8 * block as u64)?;
-    let theirs = fragmentation(&base, block, u64::MAX)?;
-    drop(base);
-
-    println!();
-    print_report(&ours);
-    print_report(&theirs);
-    println!();
-    print_stats(&stats);
-    let ok = ours.big_ok && ours.data_intact && !theirs.big_ok;
-    println!();
-    if ok {
-        println!(
-            "result: MoonBright served the {} MiB request from scattered free pages; the no-remap allocator could not.",
-            ours.big_request / MIB
-        );
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("result: UNEXPECTED outcome (see above)");
-        Ok(ExitCode::FAILURE)
-    }
-}
-
-fn print_report(r: &FragmentationReport) {
-    println!(
-        "{:<18} filled {:>4} blocks of {} MiB, freed {} MiB in {} MiB holes; request {} MiB: {}{}; data intact: {}; peak reserved {} MiB",
-        r.allocator,
-        r.blocks,
-        r.block_bytes / MIB,
-        r.freed_bytes / MIB,
-        r.block_bytes / MIB,
-        r.big_request / MIB,
-        if r.big_ok { "OK" } else { "FAILED" },
-        r.big_error.as_deref().map(|e| format!(" ({e})")).unwrap_or_default(),
-        r.data_intact,
-        r.peak_reserved / MIB,
-    );
-}
-
-fn print_stats(s: &Stats) {
-    println!("MoonBright statistics (current / peak / allocated / freed):");
-    for (name, st) in [
-        ("allocated_bytes", &s.allocated_bytes),
-        ("reserved_bytes", &s.reserved_bytes),
-        ("active_bytes", &s.active_bytes),
-        ("rounding_waste_bytes", &s.rounding_waste_bytes),
-        ("mapped_bytes", &s.mapped_bytes),
-        ("mapped_handles", &s.mapped_handles),
-        ("allocations", &s.allocations),
-        ("chunks", &s.chunks),
-        ("cached_ranges", &s.cached_ranges),
-        ("retired_ranges", &s.retired_ranges),
-    ] {
-        println!(
-            "  {name:<22} {:>14} {:>14} {:>14} {:>14}",
-            st.current, st.peak, st.allocated, st.freed
-        );
-    }
-    println!(
-        "  cache_hits {} | cached ranges stolen {} | chunk splits {} | unmap batches {} ({} unmap calls) | OOMs {} | deferred errors {}",
-        s.cache_hits,
-        s.cached_ranges_stolen,
-        s.chunk_splits,
-        s.unmap_batches,
-        s.unmap_calls_in_batches,
-        s.num_ooms,
-        s.deferred_errors
-    );
-    let calls: Vec<String> = s
-        .driver_calls
-        .iter()
-        .filter(|(_, n)| *n > 0)
-        .map(|(k, n)| format!("{} {n}", k.key()))
-        .collect();
-    println!("  driver calls: {}", calls.join(", "));
 }

@@ -22,6 +22,7 @@ mod error;
 pub mod scenario;
 mod stream;
 pub(crate) mod sync;
+pub mod trace;
 
 pub use allocator::{Allocator, Backend};
 pub use config::{BackendKind, Options};

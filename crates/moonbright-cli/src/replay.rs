@@ -1,0 +1,377 @@
+//! `moonbright replay TRACE`: loads a trace, replays it through MoonBright and reports.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use moonbright::driver::cuda;
+use moonbright::trace::{self, Format, RecordedFigures, ReplayOptions, ReplayReport, Trace};
+use moonbright::{Allocator, BackendKind, Options, Stats};
+use serde_json::{json, Value};
+
+use crate::{ReplayArgs, GIB, MIB};
+
+/// Points kept for a plot.
+const PLOT_POINTS: usize = 2000;
+/// Traces with fewer events than this replay without a progress bar.
+const PROGRESS_MIN_EVENTS: usize = 200_000;
+
+/// Everything one replay measured.
+pub(crate) struct Outcome {
+    pub path: PathBuf,
+    pub format: Format,
+    pub load: Duration,
+    pub recorded: RecordedFigures,
+    pub backend: &'static str,
+    pub page: usize,
+    pub cap: u64,
+    pub report: ReplayReport,
+    pub stats: Stats,
+    /// The recorder's reserved bytes over events, bucketed as `report.series` (plots only).
+    pub recorded_series: Vec<u64>,
+}
+
+impl Outcome {
+    /// The trace's file name.
+    pub fn name(&self) -> String {
+        self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    }
+
+    /// MoonBright's peak reserved over its peak allocated bytes.
+    pub fn ratio(&self) -> f64 {
+        self.stats.reserved_over_allocated_peak()
+    }
+
+    /// Allocation latency quantile in microseconds.
+    pub fn alloc_us(&self, q: f64) -> Option<f64> {
+        self.report.alloc_latency_quantile(q).map(|ns| ns as f64 / 1000.0)
+    }
+
+    /// Free latency quantile in microseconds.
+    pub fn free_us(&self, q: f64) -> Option<f64> {
+        self.report.free_latency_quantile(q).map(|ns| ns as f64 / 1000.0)
+    }
+
+    pub fn to_json(&self) -> Value {
+        let s = &self.stats;
+        let r = &self.report;
+        let rec = &self.recorded;
+        let calls: serde_json::Map<String, Value> =
+            s.driver_calls.iter().map(|(k, n)| (k.key().to_string(), json!(n))).collect();
+        let lat = |v: &[u64]| {
+            json!({
+                "samples": v.len(),
+                "p50_us": trace::quantile(v, 0.5).map(|n| n as f64 / 1000.0),
+                "p90_us": trace::quantile(v, 0.9).map(|n| n as f64 / 1000.0),
+                "p99_us": trace::quantile(v, 0.99).map(|n| n as f64 / 1000.0),
+                "p999_us": trace::quantile(v, 0.999).map(|n| n as f64 / 1000.0),
+                "max_us": v.last().map(|n| *n as f64 / 1000.0),
+                "mean_us": if v.is_empty() { None } else {
+                    Some(v.iter().sum::<u64>() as f64 / v.len() as f64 / 1000.0)
+                },
+            })
+        };
+        json!({
+            "trace": self.path.display().to_string(),
+            "format": format!("{:?}", self.format),
+            "load_s": self.load.as_secs_f64(),
+            "recorded": {
+                "events": rec.events,
+                "allocs": rec.allocs,
+                "frees": rec.frees,
+                "unknown_frees": rec.unknown_frees,
+                "live_at_end": rec.live_at_end,
+                "streams": rec.streams,
+                "duration_us": rec.duration_us,
+                "peak_requested_bytes": rec.peak_requested,
+                "peak_reserved_bytes": rec.peak_reserved,
+                "reserved_over_requested": rec.reserved_over_requested(),
+            },
+            "backend": self.backend,
+            "page_bytes": self.page,
+            "cap_bytes": self.cap,
+            "replay": {
+                "events": r.events,
+                "allocs": r.allocs,
+                "frees": r.frees,
+                "unknown_frees": r.unknown_frees,
+                "frees_of_failed_allocs": r.frees_of_failed,
+                "failed_allocs": r.failed_allocs,
+                "first_error": r.first_error,
+                "live_at_end": r.live_at_end,
+                "wall_s": r.wall.as_secs_f64(),
+                "alloc_latency": lat(&r.alloc_latency_ns),
+                "free_latency": lat(&r.free_latency_ns),
+            },
+            "moonbright": {
+                "peak_allocated_bytes": s.allocated_bytes.peak,
+                "peak_reserved_bytes": s.reserved_bytes.peak,
+                "peak_active_bytes": s.active_bytes.peak,
+                "peak_mapped_bytes": s.mapped_bytes.peak,
+                "peak_mapped_handles": s.mapped_handles.peak,
+                "peak_chunks": s.chunks.peak,
+                "reserved_over_allocated": self.ratio(),
+                "cache_hits": s.cache_hits,
+                "subpage_allocations": s.subpage_allocations,
+                "cached_ranges_stolen": s.cached_ranges_stolen,
+                "chunk_splits": s.chunk_splits,
+                "unmap_batches": s.unmap_batches,
+                "unmap_calls_in_batches": s.unmap_calls_in_batches,
+                "num_ooms": s.num_ooms,
+                "deferred_errors": s.deferred_errors,
+                "driver_calls": calls,
+                "driver_calls_total": s.driver_calls.total(),
+            },
+        })
+    }
+}
+
+/// Options for replaying a trace with `recorded` figures: on the host backend the simulated
+/// device is made big enough for the trace (its pages cost nothing until touched, and a replay
+/// never touches them).
+fn options(args: &ReplayArgs, recorded: &RecordedFigures) -> Result<Options, String> {
+    let backend: BackendKind =
+        args.backend.parse().map_err(|e: moonbright::Error| e.to_string())?;
+    let host = match backend {
+        BackendKind::Host => true,
+        BackendKind::Cuda => false,
+        BackendKind::Auto => cuda::probe().is_err(),
+    };
+    let mut o = Options {
+        backend,
+        validate: args.validate,
+        host_page_size: args.host_page_kib.saturating_mul(1024),
+        ..Options::default()
+    };
+    if host {
+        o.backend = BackendKind::Host;
+        o.host_capacity =
+            ((recorded.peak_requested as f64 * 1.5) as u64).div_ceil(GIB).max(1) * GIB;
+        o.cap_fraction = 1.0;
+    }
+    if let Some(gib) = args.cap_gib {
+        if !(gib > 0.0 && gib.is_finite()) {
+            return Err(format!("--cap-gib {gib} must be a positive number"));
+        }
+        let cap = (gib * GIB as f64) as u64;
+        o.cap_bytes = Some(cap);
+        if host {
+            o.host_capacity = o.host_capacity.max(cap.next_multiple_of(o.host_page_size as u64));
+        }
+    }
+    Ok(o)
+}
+
+/// Loads `path` and replays it. `series_points` > 0 keeps series for a plot.
+pub(crate) fn run(
+    path: &Path,
+    args: &ReplayArgs,
+    limit: Option<usize>,
+    series_points: usize,
+) -> Result<Outcome, String> {
+    let t = Instant::now();
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (mut trace, format) =
+        Trace::load_reader(file).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Some(n) = limit {
+        trace.events.truncate(n);
+    }
+    let load = t.elapsed();
+    let recorded = trace.recorded();
+    let opts = options(args, &recorded)?;
+    let alloc = Allocator::new(opts).map_err(|e| e.to_string())?;
+
+    let n = trace.events.len();
+    let bar = if n >= PROGRESS_MIN_EVENTS && std::io::stdout().is_terminal() {
+        ProgressBar::with_draw_target(Some(n as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "replay {bar:40} {human_pos}/{human_len} events {elapsed} (eta {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let ropts = ReplayOptions { limit: None, series_points };
+    let report = trace::replay(&alloc, &trace, &ropts, &mut |done| bar.set_position(done));
+    bar.finish_and_clear();
+    let stats = alloc.stats();
+    let recorded_series =
+        if series_points > 0 { recorded_reserved_series(&trace, series_points) } else { vec![] };
+    Ok(Outcome {
+        path: path.to_path_buf(),
+        format,
+        load,
+        recorded,
+        backend: alloc.backend_name(),
+        page: alloc.page_size(),
+        cap: alloc.cap(),
+        report,
+        stats,
+        recorded_series,
+    })
+}
+
+/// The recorder's reserved bytes over events, the highest of each stretch, stretched as
+/// `trace::replay` stretches its series. Empty when the trace has no segment events.
+fn recorded_reserved_series(trace: &Trace, points: usize) -> Vec<u64> {
+    use moonbright::trace::Action;
+    if !trace.events.iter().any(|e| {
+        matches!(
+            e.action,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
+        )
+    }) {
+        return vec![];
+    }
+    let stretch = trace.events.len().div_ceil(points).max(1);
+    let (mut cur, mut best, mut out) = (0u64, 0u64, Vec::new());
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.action {
+            Action::SegmentAlloc | Action::SegmentMap => cur += e.size,
+            Action::SegmentFree | Action::SegmentUnmap => cur = cur.saturating_sub(e.size),
+            _ => {}
+        }
+        best = best.max(cur);
+        if (i + 1) % stretch == 0 || i + 1 == trace.events.len() {
+            out.push(best);
+            best = 0;
+        }
+    }
+    out
+}
+
+pub(crate) fn gib(b: u64) -> String {
+    if b >= GIB {
+        format!("{:.2} GiB", b as f64 / GIB as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / MIB as f64)
+    }
+}
+
+pub(crate) fn us(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v < 10.0 => format!("{v:.2} µs"),
+        Some(v) => format!("{v:.1} µs"),
+        None => "-".into(),
+    }
+}
+
+/// Driver calls made, by kind, as `name n, ...`.
+pub(crate) fn calls(s: &Stats) -> String {
+    let v: Vec<String> = s
+        .driver_calls
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| format!("{} {n}", k.key()))
+        .collect();
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+pub(crate) fn print_summary(o: &Outcome) {
+    let rec = &o.recorded;
+    let r = &o.report;
+    let s = &o.stats;
+    println!(
+        "trace: {} ({:?}; {} events, {} allocs, {} stream{}), loaded in {:.2} s",
+        o.path.display(),
+        o.format,
+        rec.events,
+        rec.allocs,
+        rec.streams,
+        if rec.streams == 1 { "" } else { "s" },
+        o.load.as_secs_f64()
+    );
+    println!("backend: {} | page {} KiB | cap {}", o.backend, o.page >> 10, gib(o.cap));
+    println!(
+        "replayed {} events in {:.2} s: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
+        r.events,
+        r.wall.as_secs_f64(),
+        r.allocs,
+        r.failed_allocs,
+        r.frees,
+        r.unknown_frees,
+    );
+    if let Some(e) = &r.first_error {
+        println!("first failure: {e}");
+    }
+    println!();
+    println!("  {:<34} {:>12}   / peak allocated", "", "peak");
+    println!("  {:<34} {:>12}", "requested, as the trace records it", gib(rec.peak_requested));
+    println!("  {:<34} {:>12}", "MoonBright allocated", gib(s.allocated_bytes.peak));
+    println!(
+        "  {:<34} {:>12}   {:.3}",
+        "MoonBright reserved",
+        gib(s.reserved_bytes.peak),
+        o.ratio()
+    );
+    if let (Some(pr), Some(ratio)) = (rec.peak_reserved, rec.reserved_over_requested()) {
+        println!("  {:<34} {:>12}   {:.3}", "reserved, as the trace records it", gib(pr), ratio);
+    }
+    println!();
+    println!(
+        "alloc latency: p50 {} | p90 {} | p99 {} | p99.9 {} | max {}",
+        us(o.alloc_us(0.5)),
+        us(o.alloc_us(0.9)),
+        us(o.alloc_us(0.99)),
+        us(o.alloc_us(0.999)),
+        us(r.alloc_latency_ns.last().map(|n| *n as f64 / 1000.0)),
+    );
+    println!(
+        "free latency:  p50 {} | p99 {} | max {}",
+        us(o.free_us(0.5)),
+        us(o.free_us(0.99)),
+        us(r.free_latency_ns.last().map(|n| *n as f64 / 1000.0)),
+    );
+    let pct = |n: u64| if r.allocs == 0 { 0.0 } else { 100.0 * n as f64 / r.allocs as f64 };
+    println!(
+        "cache hits {} ({:.1}% of allocs) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} | unmap batches {} | OOMs {}",
+        s.cache_hits,
+        pct(s.cache_hits),
+        s.subpage_allocations,
+        pct(s.subpage_allocations),
+        s.cached_ranges_stolen,
+        s.chunk_splits,
+        s.unmap_batches,
+        s.num_ooms,
+    );
+    println!("driver calls ({}): {}", s.driver_calls.total(), calls(s));
+}
+
+pub(crate) fn command(
+    path: &Path,
+    args: &ReplayArgs,
+    plot: Option<&Path>,
+    json_out: Option<&Path>,
+    limit: Option<usize>,
+    convert: Option<PathBuf>,
+) -> Result<ExitCode, String> {
+    if let Some(out) = convert {
+        let mut trace = Trace::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if let Some(n) = limit {
+            trace.events.truncate(n);
+        }
+        trace.save(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        println!("wrote {} events to {}", trace.events.len(), out.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let o = run(path, args, limit, if plot.is_some() { PLOT_POINTS } else { 0 })?;
+    print_summary(&o);
+    if let Some(p) = plot {
+        crate::plot::draw(&o, p)?;
+        println!("plot: {}", p.display());
+    }
+    if let Some(j) = json_out {
+        let text = serde_json::to_string_pretty(&o.to_json()).map_err(|e| e.to_string())?;
+        std::fs::write(j, text + "\n").map_err(|e| format!("{}: {e}", j.display()))?;
+        println!("json: {}", j.display());
+    }
+    Ok(if o.report.failed_allocs > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+}
