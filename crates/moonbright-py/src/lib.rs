@@ -133,7 +133,12 @@ pub extern "C" fn moonbright_alloc(size: isize, device: c_int, stream: *mut c_vo
 /// (an unknown pointer, say) is printed to stderr and left for `moonbright.last_error()`:
 /// PyTorch's deleters cannot report one.
 #[no_mangle]
-pub extern "C" fn moonbright_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+pub extern "C" fn moonbright_free(
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
     let _ = size;
     if ptr.is_null() {
         return;
@@ -154,8 +159,12 @@ pub extern "C" fn moonbright_free(ptr: *mut c_void, size: isize, device: c_int, 
 
 /// Copies the last error message into `buf` (at most `len - 1` bytes and a NUL) and returns its
 /// full length in bytes. With a null `buf`, only the length.
+///
+/// # Safety
+///
+/// `buf` is null or points to `len` writable bytes.
 #[no_mangle]
-pub extern "C" fn moonbright_last_error_copy(buf: *mut c_char, len: usize) -> usize {
+pub unsafe extern "C" fn moonbright_last_error_copy(buf: *mut c_char, len: usize) -> usize {
     catch_unwind(|| {
         let g = lock(&LAST_ERROR);
         let msg = g.as_ref().map(|(m, _)| m.as_bytes()).unwrap_or(b"");
@@ -191,6 +200,7 @@ extern "C" {
 /// CUDAPluggableAllocator would hand out as a tensor's data pointer. Never call it from
 /// anything but C++ that catches exceptions.
 #[no_mangle]
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced
 pub extern "C-unwind" fn moonbright_torch_alloc(
     size: isize,
     device: c_int,
@@ -224,7 +234,9 @@ fn value_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
     if v.is_instance_of::<PyBool>() {
         return Ok(if v.extract::<bool>()? { "true" } else { "false" }.into());
     }
-    if v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyString>()
+    if v.is_instance_of::<PyInt>()
+        || v.is_instance_of::<PyFloat>()
+        || v.is_instance_of::<PyString>()
     {
         return Ok(v.str()?.to_string());
     }
@@ -249,7 +261,8 @@ fn configure(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
             conf::ENV_VAR
         )));
     }
-    let base = conf::from_env().map_err(|e| PyValueError::new_err(format!("{}: {e}", conf::ENV_VAR)))?;
+    let base =
+        conf::from_env().map_err(|e| PyValueError::new_err(format!("{}: {e}", conf::ENV_VAR)))?;
     let mut pairs = Vec::new();
     if let Some(kw) = kwargs {
         for (k, v) in kw.iter() {
@@ -406,7 +419,10 @@ fn memory_stats(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
     for (k, v) in flat {
         d.set_item(k, v)?;
     }
-    d.set_item("moonbright.reserved_over_allocated_peak", a.stats().reserved_over_allocated_peak())?;
+    d.set_item(
+        "moonbright.reserved_over_allocated_peak",
+        a.stats().reserved_over_allocated_peak(),
+    )?;
     Ok(d.unbind())
 }
 
