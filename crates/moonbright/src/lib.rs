@@ -15,6 +15,7 @@
 
 mod allocator;
 pub mod baseline;
+pub mod conf;
 pub mod config;
 pub mod core;
 pub mod driver;

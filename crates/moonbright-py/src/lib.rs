@@ -1,0 +1,611 @@
+//! `moonbright._moonbright`: MoonBright's Python extension module, and the C entry points
+//! PyTorch's `CUDAPluggableAllocator` loads from this same shared library.
+//!
+//! One allocator per CUDA device, process-wide, created at its first use from
+//! `MOONBRIGHT_ALLOC_CONF` (and `configure(**kwargs)` if called before). The C entry points never
+//! unwind: a panic or an error returns null (or is ignored, for free) and leaves its message
+//! for `last_error()`.
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use moonbright::conf;
+use moonbright::core::history::BlockState;
+use moonbright::{Allocator, CallKind, Error, Options, Stat, Stats, StreamHandle};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
+
+/// Devices served (CUDA ordinals below this).
+const MAX_DEVICES: usize = 64;
+
+static ALLOCATORS: [OnceLock<Allocator>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+
+/// Configuration for allocators not created yet; taken under this lock when one is created.
+struct Config {
+    /// Set by `configure`; `None`: read `MOONBRIGHT_ALLOC_CONF` at first use.
+    options: Option<Options>,
+    /// History to switch on in allocators when they are created.
+    history: Option<usize>,
+}
+
+static CONFIG: Mutex<Config> = Mutex::new(Config { options: None, history: None });
+
+/// The last error met by an entry point: its message, and whether it was out of memory.
+static LAST_ERROR: Mutex<Option<(String, bool)>> = Mutex::new(None);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn set_last_error(message: String, oom: bool) {
+    *lock(&LAST_ERROR) = Some((message, oom));
+}
+
+fn is_oom(e: &Error) -> bool {
+    matches!(e, Error::OutOfMemory { .. } | Error::TooLarge { .. })
+}
+
+/// The options new allocators get: `configure`'s, else `MOONBRIGHT_ALLOC_CONF`'s.
+fn base_options(cfg: &Config) -> Result<Options, Error> {
+    match &cfg.options {
+        Some(o) => Ok(o.clone()),
+        None => conf::from_env(),
+    }
+}
+
+fn device_index(device: i32) -> Result<usize, String> {
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return Err(format!("device {device} is not in 0..{MAX_DEVICES}"));
+    }
+    Ok(device as usize)
+}
+
+/// The allocator of `device`, created on first use.
+fn allocator(device: i32) -> Result<&'static Allocator, String> {
+    let i = device_index(device)?;
+    if let Some(a) = ALLOCATORS[i].get() {
+        return Ok(a);
+    }
+    let cfg = lock(&CONFIG);
+    if let Some(a) = ALLOCATORS[i].get() {
+        return Ok(a);
+    }
+    let mut opts = base_options(&cfg).map_err(|e| format!("{}: {e}", conf::ENV_VAR))?;
+    opts.device = device;
+    let a = Allocator::new(opts).map_err(|e| format!("cannot create the allocator: {e}"))?;
+    if let Some(n) = cfg.history {
+        a.record_history(Some(n));
+    }
+    let _ = ALLOCATORS[i].set(a);
+    Ok(ALLOCATORS[i].get().expect("just set"))
+}
+
+fn created() -> impl Iterator<Item = (usize, &'static Allocator)> {
+    ALLOCATORS.iter().enumerate().filter_map(|(i, a)| a.get().map(|a| (i, a)))
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// C entry points (PyTorch's CUDAPluggableAllocator signatures).
+
+/// Allocates `size` bytes on `device` for use on `stream`. Returns null for a size of 0 (what
+/// PyTorch asks for empty tensors), and null on any error, leaving the message for
+/// `moonbright.last_error()`.
+#[no_mangle]
+pub extern "C" fn moonbright_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        if size < 0 {
+            return Err((format!("cannot allocate a negative size ({size} bytes)"), false));
+        }
+        let a = allocator(device).map_err(|e| (e, false))?;
+        a.malloc_async(size as usize, StreamHandle(stream as u64))
+            .map_err(|e| (format!("device {device}: {e}"), is_oom(&e)))
+    }));
+    match r {
+        Ok(Ok(p)) => p as *mut c_void,
+        Ok(Err((msg, oom))) => {
+            set_last_error(msg, oom);
+            std::ptr::null_mut()
+        }
+        Err(p) => {
+            set_last_error(format!("internal error (panic): {}", panic_message(&*p)), false);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Frees `ptr` on `device`, stream-ordered on `stream`. A null pointer is ignored; an error
+/// (an unknown pointer, say) is printed to stderr and left for `moonbright.last_error()`:
+/// PyTorch's deleters cannot report one.
+#[no_mangle]
+pub extern "C" fn moonbright_free(
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    let _ = size;
+    if ptr.is_null() {
+        return;
+    }
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let a = allocator(device)?;
+        a.free_async(ptr as u64, StreamHandle(stream as u64))
+            .map_err(|e| format!("device {device}: {e}"))
+    }));
+    let msg = match r {
+        Ok(Ok(())) => return,
+        Ok(Err(msg)) => msg,
+        Err(p) => format!("internal error (panic): {}", panic_message(&*p)),
+    };
+    let _ = catch_unwind(|| eprintln!("moonbright: free failed: {msg}"));
+    set_last_error(msg, false);
+}
+
+/// Copies the last error message into `buf` (at most `len - 1` bytes and a NUL) and returns its
+/// full length in bytes. With a null `buf`, only the length.
+///
+/// # Safety
+///
+/// `buf` is null or points to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_last_error_copy(buf: *mut c_char, len: usize) -> usize {
+    catch_unwind(|| {
+        let g = lock(&LAST_ERROR);
+        let msg = g.as_ref().map(|(m, _)| m.as_bytes()).unwrap_or(b"");
+        if !buf.is_null() && len > 0 {
+            let n = msg.len().min(len - 1);
+            // SAFETY: the caller gives `len` writable bytes at `buf`; n + 1 <= len.
+            unsafe {
+                std::ptr::copy_nonoverlapping(msg.as_ptr(), buf as *mut u8, n);
+                *buf.add(n) = 0;
+            }
+        }
+        msg.len()
+    })
+    .unwrap_or(0)
+}
+
+/// 1 when the last error was out of memory, else 0.
+#[no_mangle]
+pub extern "C" fn moonbright_last_error_is_oom() -> c_int {
+    catch_unwind(|| lock(&LAST_ERROR).as_ref().is_some_and(|(_, oom)| *oom) as c_int).unwrap_or(0)
+}
+
+extern "C-unwind" {
+    fn moonbright_cxx_torch_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void;
+}
+extern "C" {
+    fn moonbright_cxx_set_oom_type(ty: *mut c_void);
+}
+
+/// `moonbright_alloc` for PyTorch's global allocator: on failure it throws a C++ exception that
+/// PyTorch raises in Python (torch.OutOfMemoryError on out of memory, once
+/// `moonbright.torch.enable()` has set that up), instead of returning null, which PyTorch's
+/// CUDAPluggableAllocator would hand out as a tensor's data pointer. Never call it from
+/// anything but C++ that catches exceptions.
+#[no_mangle]
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // `stream` is an opaque handle, never dereferenced
+pub extern "C-unwind" fn moonbright_torch_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: a plain C++ function; the exception it may throw unwinds through this frame,
+    // which owns nothing, to PyTorch's C++ caller (the "C-unwind" ABI allows it).
+    unsafe { moonbright_cxx_torch_alloc(size, device, stream) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Python functions.
+
+fn py_err(msg: impl Into<String>) -> PyErr {
+    PyRuntimeError::new_err(msg.into())
+}
+
+fn default_device(device: Option<i32>) -> PyResult<i32> {
+    if let Some(d) = device {
+        return Ok(d);
+    }
+    let cfg = lock(&CONFIG);
+    Ok(base_options(&cfg).map(|o| o.device).unwrap_or(0))
+}
+
+fn get(device: Option<i32>) -> PyResult<&'static Allocator> {
+    allocator(default_device(device)?).map_err(py_err)
+}
+
+fn value_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    if v.is_instance_of::<PyBool>() {
+        return Ok(if v.extract::<bool>()? { "true" } else { "false" }.into());
+    }
+    if v.is_instance_of::<PyInt>()
+        || v.is_instance_of::<PyFloat>()
+        || v.is_instance_of::<PyString>()
+    {
+        return Ok(v.str()?.to_string());
+    }
+    Err(PyValueError::new_err(format!(
+        "a value of type {} is not an option value (give a str, int, float or bool)",
+        v.get_type().name()?
+    )))
+}
+
+/// Sets the options of the allocators not created yet: keyword arguments named as the keys of
+/// `MOONBRIGHT_ALLOC_CONF`, applied over it. Raises ValueError naming a bad key or value, and
+/// RuntimeError once an allocator exists.
+#[pyfunction]
+#[pyo3(signature = (**kwargs))]
+fn configure(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    let mut cfg = lock(&CONFIG);
+    if let Some((i, _)) = created().next() {
+        return Err(py_err(format!(
+            "moonbright.configure() must be called before the first allocation: the allocator \
+             of device {i} exists already and its options are fixed (set {} before starting \
+             the process, or call configure() first)",
+            conf::ENV_VAR
+        )));
+    }
+    let base =
+        conf::from_env().map_err(|e| PyValueError::new_err(format!("{}: {e}", conf::ENV_VAR)))?;
+    let mut pairs = Vec::new();
+    if let Some(kw) = kwargs {
+        for (k, v) in kw.iter() {
+            pairs.push((k.extract::<String>()?, value_text(&v)?));
+        }
+    }
+    let opts = conf::apply_pairs(base, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    cfg.options = Some(opts);
+    Ok(())
+}
+
+/// Parses a `MOONBRIGHT_ALLOC_CONF` string and returns the options it gives as a dict (for
+/// checking a string without creating anything). Raises ValueError naming a bad key or value.
+#[pyfunction]
+fn parse_conf(py: Python<'_>, text: &str) -> PyResult<Py<PyDict>> {
+    let o = conf::parse_conf(text).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    options_dict(py, &o)
+}
+
+fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("backend", format!("{:?}", o.backend).to_lowercase())?;
+    d.set_item("device", o.device)?;
+    d.set_item("cap", o.cap_bytes)?;
+    d.set_item("cap_fraction", o.cap_fraction)?;
+    d.set_item("host_page_size", o.host_page_size)?;
+    d.set_item("host_capacity", o.host_capacity)?;
+    d.set_item("max_chunk", o.max_chunk_bytes)?;
+    d.set_item("unmap_batch", o.unmap_batch_ranges)?;
+    d.set_item("unmap_batch_bytes", o.unmap_batch_bytes)?;
+    d.set_item("validate", o.validate)?;
+    Ok(d.unbind())
+}
+
+/// The options in force for `device` (its allocator's, or those it would be created with).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn options(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
+    let d = default_device(device)?;
+    let i = device_index(d).map_err(py_err)?;
+    if let Some(a) = ALLOCATORS[i].get() {
+        return options_dict(py, a.options());
+    }
+    let cfg = lock(&CONFIG);
+    let mut o = base_options(&cfg).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    o.device = d;
+    options_dict(py, &o)
+}
+
+/// Whether the allocator of `device` exists.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn is_initialized(device: Option<i32>) -> PyResult<bool> {
+    let i = device_index(default_device(device)?).map_err(py_err)?;
+    Ok(ALLOCATORS[i].get().is_some())
+}
+
+/// The backend of `device`'s allocator: "cuda" or "host" (creates it).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn backend(device: Option<i32>) -> PyResult<&'static str> {
+    Ok(get(device)?.backend_name())
+}
+
+/// The last error message of an allocation entry point, or None.
+#[pyfunction]
+fn last_error() -> Option<String> {
+    lock(&LAST_ERROR).as_ref().map(|(m, _)| m.clone())
+}
+
+/// Forgets the last error.
+#[pyfunction]
+fn clear_last_error() {
+    *lock(&LAST_ERROR) = None;
+}
+
+fn put_stat(out: &mut BTreeMap<String, i64>, prefix: &str, s: &Stat) {
+    out.insert(format!("{prefix}.current"), s.current as i64);
+    out.insert(format!("{prefix}.peak"), s.peak as i64);
+    out.insert(format!("{prefix}.allocated"), s.allocated as i64);
+    out.insert(format!("{prefix}.freed"), s.freed as i64);
+}
+
+/// PyTorch's flat statistics from MoonBright's.
+fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
+    let mut out = BTreeMap::new();
+    let zero = Stat::default();
+    // PyTorch's families, each for the pools all / large_pool / small_pool. MoonBright has one
+    // pool: large_pool repeats all, small_pool is zero.
+    let families: [(&str, &Stat); 9] = [
+        ("allocated_bytes", &s.allocated_bytes),
+        ("requested_bytes", &s.allocated_bytes),
+        ("active_bytes", &s.active_bytes),
+        ("reserved_bytes", &s.reserved_bytes),
+        ("inactive_split_bytes", &zero),
+        ("allocation", &s.allocations),
+        ("active", &s.allocations),
+        ("segment", &s.chunks),
+        ("inactive_split", &zero),
+    ];
+    for (name, stat) in families {
+        put_stat(&mut out, &format!("{name}.all"), stat);
+        put_stat(&mut out, &format!("{name}.large_pool"), stat);
+        put_stat(&mut out, &format!("{name}.small_pool"), &zero);
+    }
+    put_stat(&mut out, "oversize_allocations", &zero);
+    put_stat(&mut out, "oversize_segments", &zero);
+    out.insert("num_alloc_retries".into(), 0);
+    out.insert("num_ooms".into(), s.num_ooms as i64);
+    out.insert("num_sync_all_streams".into(), 0);
+    out.insert("num_device_alloc".into(), s.driver_calls.get(CallKind::Map) as i64);
+    out.insert("num_device_free".into(), s.driver_calls.get(CallKind::Unmap) as i64);
+    out.insert("max_split_size".into(), -1);
+    // MoonBright's own.
+    for (name, stat) in [
+        ("rounding_waste_bytes", &s.rounding_waste_bytes),
+        ("mapped_bytes", &s.mapped_bytes),
+        ("mapped_handles", &s.mapped_handles),
+        ("chunks", &s.chunks),
+        ("cached_ranges", &s.cached_ranges),
+        ("retired_ranges", &s.retired_ranges),
+    ] {
+        put_stat(&mut out, &format!("moonbright.{name}"), stat);
+    }
+    for (name, v) in [
+        ("cache_hits", s.cache_hits),
+        ("subpage_allocations", s.subpage_allocations),
+        ("cached_ranges_stolen", s.cached_ranges_stolen),
+        ("chunk_splits", s.chunk_splits),
+        ("unmap_batches", s.unmap_batches),
+        ("unmap_calls_in_batches", s.unmap_calls_in_batches),
+        ("deferred_errors", s.deferred_errors),
+        ("cap_bytes", cap),
+        ("page_size", page as u64),
+        ("driver_calls.total", s.driver_calls.total()),
+    ] {
+        out.insert(format!("moonbright.{name}"), v as i64);
+    }
+    for (kind, n) in s.driver_calls.iter() {
+        out.insert(format!("moonbright.driver_calls.{}", kind.key()), n as i64);
+    }
+    out
+}
+
+/// Statistics of `device`'s allocator with PyTorch's flat key names
+/// (`allocated_bytes.all.current`, ...) and MoonBright's own under `moonbright.`.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn memory_stats(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
+    let a = get(device)?;
+    let flat = flat_stats(&a.stats(), a.cap(), a.page_size());
+    let d = PyDict::new(py);
+    for (k, v) in flat {
+        d.set_item(k, v)?;
+    }
+    d.set_item(
+        "moonbright.reserved_over_allocated_peak",
+        a.stats().reserved_over_allocated_peak(),
+    )?;
+    Ok(d.unbind())
+}
+
+/// Resets every peak to its current value.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn reset_peak_memory_stats(device: Option<i32>) -> PyResult<()> {
+    get(device)?.reset_peak_stats();
+    Ok(())
+}
+
+/// Gives every physical page no allocation uses back to the driver; returns the bytes released.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn empty_cache(device: Option<i32>) -> PyResult<u64> {
+    let a = get(device)?;
+    a.release_unused().map_err(|e| py_err(e.to_string()))
+}
+
+/// Starts (or with enabled=False stops) recording up to `max_entries` allocation events, for
+/// `snapshot()`'s `device_traces`. With `device=None` it applies to every allocator that exists
+/// and to those created later.
+#[pyfunction]
+#[pyo3(signature = (enabled=true, max_entries=100_000, device=None))]
+fn record_memory_history(enabled: bool, max_entries: usize, device: Option<i32>) -> PyResult<()> {
+    let n = enabled.then_some(max_entries.max(1));
+    match device {
+        Some(d) => allocator(d).map_err(py_err)?.record_history(n),
+        None => {
+            let mut cfg = lock(&CONFIG);
+            cfg.history = n;
+            for (_, a) in created() {
+                a.record_history(n);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A snapshot in the format of `torch.cuda.memory._snapshot()`: `segments` of every allocator
+/// (or of `device`'s) and `device_traces`, one list per device up to the highest, for PyTorch's
+/// memory viewer (`torch.cuda._memory_viz`).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
+    let devices: Vec<(usize, &'static Allocator)> = match device {
+        Some(d) => vec![(device_index(d).map_err(py_err)?, allocator(d).map_err(py_err)?)],
+        None => created().collect(),
+    };
+    let segments = PyList::empty(py);
+    let n_traces = devices.iter().map(|(i, _)| i + 1).max().unwrap_or(0);
+    let traces: Vec<Bound<'_, PyList>> = (0..n_traces).map(|_| PyList::empty(py)).collect();
+    for (i, a) in &devices {
+        for seg in a.segments() {
+            let blocks = PyList::empty(py);
+            let (mut allocated, mut requested) = (0u64, 0u64);
+            for b in &seg.blocks {
+                let active = b.state == BlockState::ActiveAllocated;
+                if active {
+                    allocated += b.size;
+                    requested += b.requested_size;
+                }
+                let bd = PyDict::new(py);
+                bd.set_item("address", b.addr)?;
+                bd.set_item("size", b.size)?;
+                bd.set_item("requested_size", b.requested_size)?;
+                bd.set_item("state", if active { "active_allocated" } else { "inactive" })?;
+                bd.set_item("frames", PyList::empty(py))?;
+                blocks.append(bd)?;
+            }
+            let sd = PyDict::new(py);
+            sd.set_item("device", *i)?;
+            sd.set_item("address", seg.addr)?;
+            sd.set_item("total_size", seg.size)?;
+            sd.set_item("allocated_size", allocated)?;
+            sd.set_item("active_size", allocated)?;
+            sd.set_item("requested_size", requested)?;
+            sd.set_item("stream", seg.stream)?;
+            sd.set_item("segment_type", "large")?;
+            sd.set_item("segment_pool_id", (0, 0))?;
+            sd.set_item("is_expandable", true)?;
+            sd.set_item("frames", PyList::empty(py))?;
+            sd.set_item("blocks", blocks)?;
+            sd.set_item("moonbright_kind", seg.kind)?;
+            sd.set_item("moonbright_chunks", seg.chunks)?;
+            segments.append(sd)?;
+        }
+        for ev in a.history() {
+            let e = PyDict::new(py);
+            e.set_item("action", ev.action.torch_name())?;
+            e.set_item("addr", ev.addr)?;
+            e.set_item("size", ev.size)?;
+            e.set_item("stream", ev.stream)?;
+            e.set_item("time_us", ev.time_us)?;
+            e.set_item("frames", PyList::empty(py))?;
+            traces[*i].append(e)?;
+        }
+    }
+    let out = PyDict::new(py);
+    out.set_item("segments", segments)?;
+    out.set_item("device_traces", PyList::new(py, traces)?)?;
+    Ok(out.unbind())
+}
+
+/// The cap on physical bytes of `device`'s allocator.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn cap(device: Option<i32>) -> PyResult<u64> {
+    Ok(get(device)?.cap())
+}
+
+/// The page size (mapping granularity) of `device`'s allocator.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn page_size(device: Option<i32>) -> PyResult<usize> {
+    Ok(get(device)?.page_size())
+}
+
+/// Checks every invariant of `device`'s allocator; raises RuntimeError naming a broken one.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn check_invariants(device: Option<i32>) -> PyResult<()> {
+    get(device)?.check_invariants().map_err(py_err)
+}
+
+/// Copies bytes into device memory (synchronous; for tests).
+#[pyfunction]
+#[pyo3(signature = (ptr, data, device=None))]
+fn _write(ptr: u64, data: &[u8], device: Option<i32>) -> PyResult<()> {
+    get(device)?.write(ptr, data).map_err(|e| py_err(e.to_string()))
+}
+
+/// Reads bytes of device memory (synchronous; for tests).
+#[pyfunction]
+#[pyo3(signature = (ptr, len, device=None))]
+fn _read(ptr: u64, len: usize, device: Option<i32>) -> PyResult<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    get(device)?.read(ptr, &mut buf).map_err(|e| py_err(e.to_string()))?;
+    Ok(buf)
+}
+
+/// Registers the Python exception class (torch.OutOfMemoryError) that `moonbright_torch_alloc`
+/// raises on out of memory; None switches back to RuntimeError. The class is kept alive.
+#[pyfunction]
+#[pyo3(signature = (cls))]
+fn _set_torch_oom_type(cls: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    static KEEP: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+    let ptr = cls.as_ref().map(|c| c.as_ptr() as *mut c_void).unwrap_or(std::ptr::null_mut());
+    *lock(&KEEP) = cls.map(|c| c.unbind());
+    // SAFETY: stores a pointer; the object stays alive in KEEP until replaced, and replacing
+    // happens only after the pointer was swapped out here.
+    unsafe { moonbright_cxx_set_oom_type(ptr) };
+    Ok(())
+}
+
+/// Version of the package.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[pymodule]
+fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", VERSION)?;
+    m.add("ENV_VAR", conf::ENV_VAR)?;
+    m.add(
+        "CONF_KEYS",
+        conf::KEYS.iter().map(|(k, a)| (k.to_string(), a.to_string())).collect::<Vec<_>>(),
+    )?;
+    m.add_function(wrap_pyfunction!(configure, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_conf, m)?)?;
+    m.add_function(wrap_pyfunction!(options, m)?)?;
+    m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(backend, m)?)?;
+    m.add_function(wrap_pyfunction!(last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(clear_last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(record_memory_history, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(cap, m)?)?;
+    m.add_function(wrap_pyfunction!(page_size, m)?)?;
+    m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
+    m.add_function(wrap_pyfunction!(_write, m)?)?;
+    m.add_function(wrap_pyfunction!(_read, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_torch_oom_type, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,310 @@
+//! `MOONBRIGHT_ALLOC_CONF`: options as text, in the shape of PyTorch's `PYTORCH_ALLOC_CONF`
+//! (`key:value,key:value`), and the same keys as `(key, value)` pairs (Python keyword arguments).
+//!
+//! ```
+//! use moonbright::conf::parse_conf;
+//! let opts = parse_conf("backend:host,cap:12GiB,unmap_batch:32")?;
+//! assert_eq!(opts.cap_bytes, Some(12 << 30));
+//! # Ok::<(), moonbright::Error>(())
+//! ```
+//!
+//! Unknown keys and bad values are refused with [`Error::InvalidOption`], naming the key and what
+//! is allowed. The resulting options are checked with [`Options::check`].
+
+use crate::config::{BackendKind, Options};
+use crate::error::{Error, Result};
+
+/// The environment variable read by the Python package.
+pub const ENV_VAR: &str = "MOONBRIGHT_ALLOC_CONF";
+
+/// Every key, with what its value may be.
+pub const KEYS: &[(&str, &str)] = &[
+    ("backend", "auto, cuda or host"),
+    ("device", "a CUDA device ordinal, 0 or more"),
+    ("cap", "bytes, with an optional suffix B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 12GiB)"),
+    ("cap_fraction", "a fraction of device memory in (0, 1]"),
+    ("host_page_size", "bytes: a power of two from 4KiB to 1GiB"),
+    ("host_capacity", "bytes of simulated memory for the host backend"),
+    ("max_chunk", "bytes: a power of two of at most 64GiB"),
+    ("unmap_batch", "retired ranges that trigger an unmap batch, 1 or more"),
+    ("unmap_batch_bytes", "retired bytes that trigger an unmap batch"),
+    ("validate", "true or false"),
+];
+
+fn allowed(key: &str) -> &'static str {
+    KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a).unwrap_or("")
+}
+
+fn known_key(key: &str) -> Option<&'static str> {
+    KEYS.iter().find(|(k, _)| *k == key).map(|(k, _)| *k)
+}
+
+fn bad(name: &'static str, value: &str) -> Error {
+    Error::InvalidOption { name, reason: format!("`{value}` is not valid: {}", allowed(name)) }
+}
+
+/// Parses a byte count: a whole number with an optional suffix (B, KiB, MiB, GiB, TiB binary;
+/// KB, MB, GB, TB decimal; K, M, G, T binary), case-insensitive, spaces allowed before it.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '_').unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let num: String = num.chars().filter(|&c| c != '_').collect();
+    if num.is_empty() {
+        return None;
+    }
+    let n: u64 = num.parse().ok()?;
+    let mult: u64 = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Some(true),
+        "false" | "0" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// Sets one option on `opts` from its key and textual value. Does not run [`Options::check`].
+pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
+    let key = key.trim();
+    let Some(name) = known_key(key) else {
+        let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+        return Err(Error::InvalidOption {
+            name: "MOONBRIGHT_ALLOC_CONF",
+            reason: format!("unknown key `{key}`; the keys are {}", known.join(", ")),
+        });
+    };
+    let v = value.trim();
+    let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
+    match name {
+        "backend" => {
+            opts.backend = match v.to_ascii_lowercase().as_str() {
+                "auto" => BackendKind::Auto,
+                "cuda" => BackendKind::Cuda,
+                "host" => BackendKind::Host,
+                _ => return Err(bad(name, v)),
+            }
+        }
+        "device" => opts.device = v.parse::<u16>().map_err(|_| bad(name, v))? as i32,
+        "cap" => {
+            let b = bytes()?;
+            if b == 0 {
+                return Err(bad(name, v));
+            }
+            opts.cap_bytes = Some(b);
+        }
+        "cap_fraction" => {
+            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(bad(name, v));
+            }
+            opts.cap_fraction = f;
+        }
+        "host_page_size" => {
+            let b = bytes()?;
+            if !b.is_power_of_two() || !(4096..=1 << 30).contains(&b) {
+                return Err(bad(name, v));
+            }
+            opts.host_page_size = b as usize;
+        }
+        "host_capacity" => {
+            let b = bytes()?;
+            if b == 0 {
+                return Err(bad(name, v));
+            }
+            opts.host_capacity = b;
+        }
+        "max_chunk" => {
+            let b = bytes()?;
+            if !b.is_power_of_two() || b > 64 << 30 {
+                return Err(bad(name, v));
+            }
+            opts.max_chunk_bytes = b;
+        }
+        "unmap_batch" => {
+            let n: usize = v.parse().map_err(|_| bad(name, v))?;
+            if n == 0 {
+                return Err(bad(name, v));
+            }
+            opts.unmap_batch_ranges = n;
+        }
+        "unmap_batch_bytes" => {
+            let b = bytes()?;
+            if b == 0 {
+                return Err(bad(name, v));
+            }
+            opts.unmap_batch_bytes = b;
+        }
+        "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        _ => unreachable!("every key in KEYS is handled"),
+    }
+    Ok(())
+}
+
+/// Applies `(key, value)` pairs over `base`, then checks the result.
+pub fn apply_pairs<'a, I>(base: Options, pairs: I) -> Result<Options>
+where
+    I: IntoIterator<Item = (&'a str, &'a str)>,
+{
+    let mut opts = base;
+    for (k, v) in pairs {
+        apply(&mut opts, k, v)?;
+    }
+    opts.check()?;
+    Ok(opts)
+}
+
+/// Splits `key:value,key:value` into pairs. Empty items (a trailing comma) are skipped.
+pub fn split_conf(text: &str) -> Result<Vec<(&str, &str)>> {
+    let mut out = Vec::new();
+    for item in text.split(',') {
+        if item.trim().is_empty() {
+            continue;
+        }
+        let Some((k, v)) = item.split_once(':') else {
+            return Err(Error::InvalidOption {
+                name: "MOONBRIGHT_ALLOC_CONF",
+                reason: format!("`{}` is not of the form key:value", item.trim()),
+            });
+        };
+        out.push((k.trim(), v.trim()));
+    }
+    Ok(out)
+}
+
+/// Parses a `MOONBRIGHT_ALLOC_CONF` string over the default options.
+pub fn parse_conf(text: &str) -> Result<Options> {
+    parse_conf_over(Options::default(), text)
+}
+
+/// Parses a `MOONBRIGHT_ALLOC_CONF` string over `base`.
+pub fn parse_conf_over(base: Options, text: &str) -> Result<Options> {
+    apply_pairs(base, split_conf(text)?)
+}
+
+/// The options `MOONBRIGHT_ALLOC_CONF` names, or the defaults when it is unset or empty.
+pub fn from_env() -> Result<Options> {
+    match std::env::var(ENV_VAR) {
+        Ok(s) => parse_conf(&s),
+        Err(_) => Ok(Options::default()),
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn err_of(text: &str) -> (String, String) {
+        match parse_conf(text) {
+            Err(Error::InvalidOption { name, reason }) => (name.to_string(), reason),
+            other => panic!("{text}: expected InvalidOption, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn empty_gives_defaults() {
+        assert_eq!(parse_conf("").unwrap(), Options::default());
+        assert_eq!(parse_conf(" , ").unwrap(), Options::default());
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let o = parse_conf(
+            "backend:host, device:1, cap:12GiB, cap_fraction:0.5, host_page_size:64KiB, \
+             host_capacity:1GB, max_chunk:8MiB, unmap_batch:7, unmap_batch_bytes:1MB, \
+             validate:true",
+        )
+        .unwrap();
+        assert_eq!(o.backend, BackendKind::Host);
+        assert_eq!(o.device, 1);
+        assert_eq!(o.cap_bytes, Some(12 << 30));
+        assert_eq!(o.cap_fraction, 0.5);
+        assert_eq!(o.host_page_size, 64 << 10);
+        assert_eq!(o.host_capacity, 1_000_000_000);
+        assert_eq!(o.max_chunk_bytes, 8 << 20);
+        assert_eq!(o.unmap_batch_ranges, 7);
+        assert_eq!(o.unmap_batch_bytes, 1_000_000);
+        assert!(o.validate);
+    }
+
+    #[test]
+    fn byte_suffixes() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("2MiB"), Some(2 << 20));
+        assert_eq!(parse_bytes("2 mib"), Some(2 << 20));
+        assert_eq!(parse_bytes("3G"), Some(3 << 30));
+        assert_eq!(parse_bytes("5KB"), Some(5000));
+        assert_eq!(parse_bytes("1_000"), Some(1000));
+        assert_eq!(parse_bytes("1.5GiB"), None);
+        assert_eq!(parse_bytes("GiB"), None);
+        assert_eq!(parse_bytes("-1"), None);
+        assert_eq!(parse_bytes("99999999999TiB"), None);
+    }
+
+    #[test]
+    fn unknown_key_lists_the_known_ones() {
+        let (name, reason) = err_of("backend:host,prefetch:3");
+        assert_eq!(name, "MOONBRIGHT_ALLOC_CONF");
+        assert!(reason.contains("`prefetch`"), "{reason}");
+        for (k, _) in KEYS {
+            assert!(reason.contains(k), "{reason} lacks {k}");
+        }
+    }
+
+    #[test]
+    fn bad_values_name_the_key_and_what_is_allowed() {
+        for (text, key, hint) in [
+            ("backend:gpu", "backend", "auto, cuda or host"),
+            ("device:-1", "device", "ordinal"),
+            ("cap:lots", "cap", "GiB"),
+            ("cap:0", "cap", "bytes"),
+            ("cap_fraction:1.5", "cap_fraction", "(0, 1]"),
+            ("cap_fraction:nan", "cap_fraction", "(0, 1]"),
+            ("host_page_size:3000", "host_page_size", "power of two"),
+            ("max_chunk:3MiB", "max_chunk", "power of two"),
+            ("unmap_batch:0", "unmap_batch", "1 or more"),
+            ("unmap_batch_bytes:x", "unmap_batch_bytes", "bytes"),
+            ("validate:maybe", "validate", "true or false"),
+        ] {
+            let (name, reason) = err_of(text);
+            assert_eq!(name, key, "{text}: {reason}");
+            assert!(reason.contains(hint), "{text}: {reason}");
+        }
+    }
+
+    #[test]
+    fn malformed_items_are_refused() {
+        let (name, reason) = err_of("backend=host");
+        assert_eq!(name, "MOONBRIGHT_ALLOC_CONF");
+        assert!(reason.contains("key:value"), "{reason}");
+    }
+
+    #[test]
+    fn the_combined_options_are_checked() {
+        // Each value is fine alone; together the capacity is less than a page.
+        let e = parse_conf("backend:host,host_page_size:1MiB,host_capacity:4KiB").unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { name: "host_capacity", .. }), "{e}");
+    }
+
+    #[test]
+    fn pairs_apply_over_a_base() {
+        let base = parse_conf("backend:host,cap:1GiB").unwrap();
+        let o = apply_pairs(base, [("unmap_batch", "3"), ("cap", "2GiB")]).unwrap();
+        assert_eq!(o.backend, BackendKind::Host);
+        assert_eq!(o.cap_bytes, Some(2 << 30));
+        assert_eq!(o.unmap_batch_ranges, 3);
+    }
+}

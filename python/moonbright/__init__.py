@@ -1,0 +1,166 @@
+"""MoonBright: a GPU memory allocator on the CUDA virtual-memory API.
+
+Physical memory is a pool of pages; every allocation of a page or more is stitched from any free
+pages into one contiguous virtual range, so free memory is never unusable for being scattered.
+Without a GPU the same allocator runs on the *host backend*, a CPU model of the CUDA
+virtual-memory API (``MOONBRIGHT_ALLOC_CONF=backend:host``; ``backend:auto``, the default,
+picks it when no GPU is found).
+
+One allocator per CUDA device, process-wide, created at first use from the environment variable
+``MOONBRIGHT_ALLOC_CONF`` (``key:value,key:value``, as ``PYTORCH_ALLOC_CONF``), or from
+:func:`configure` called before the first allocation::
+
+    import moonbright
+    moonbright.configure(backend="host", cap="1GiB")
+    moonbright.memory_stats()["reserved_bytes.all.current"]
+
+Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB GiB KB MB GB:
+``cap:12GiB``), ``cap_fraction``, ``host_page_size``, ``host_capacity``, ``max_chunk``,
+``unmap_batch``, ``unmap_batch_bytes``, ``validate`` (true|false).
+
+PyTorch: see :mod:`moonbright.torch` (``moonbright.torch.enable()`` or
+``moonbright.torch.pool()``).
+
+The C entry points ``moonbright_alloc(size, device, stream)`` and
+``moonbright_free(ptr, size, device, stream)`` (PyTorch's CUDAPluggableAllocator signatures) are
+exported by the extension module itself, :func:`library_path`. They return null on failure and
+leave the message for :func:`last_error`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from . import _moonbright
+from ._moonbright import (
+    CONF_KEYS,
+    ENV_VAR,
+    __version__,
+    backend,
+    cap,
+    check_invariants,
+    clear_last_error,
+    configure,
+    empty_cache,
+    is_initialized,
+    last_error,
+    memory_stats,
+    options,
+    page_size,
+    parse_conf,
+    record_memory_history,
+    reset_peak_memory_stats,
+    snapshot,
+)
+
+__all__ = [
+    "CONF_KEYS",
+    "ENV_VAR",
+    "__version__",
+    "backend",
+    "cap",
+    "check_invariants",
+    "clear_last_error",
+    "configure",
+    "dump_snapshot",
+    "empty_cache",
+    "is_initialized",
+    "last_error",
+    "library_path",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_summary",
+    "options",
+    "page_size",
+    "parse_conf",
+    "record_memory_history",
+    "reset_peak_memory_stats",
+    "snapshot",
+]
+
+
+def library_path() -> str:
+    """The path of the shared library exporting ``moonbright_alloc`` / ``moonbright_free``
+    (and ``moonbright_torch_alloc``), for ``torch.cuda.memory.CUDAPluggableAllocator`` or
+    ``ctypes.CDLL``. It is this package's extension module: one copy of the allocator state."""
+    return _moonbright.__file__
+
+
+def dump_snapshot(path: str, device: int | None = None) -> None:
+    """Writes :func:`snapshot` to ``path`` as a pickle, as ``torch.cuda.memory._dump_snapshot``
+    does: the file opens in PyTorch's memory viewer (pytorch.org/memory_viz) and in
+    ``python -m torch.cuda._memory_viz``."""
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(device), f)
+
+
+def memory_stats_as_nested_dict(device: int | None = None) -> dict[str, Any]:
+    """:func:`memory_stats` nested at the dots, as ``torch._C._cuda_memoryStats`` returns
+    PyTorch's (``{"allocated_bytes": {"all": {"current": ...}}}``)."""
+    out: dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        node = out
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _format_size(n: int) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 10 * 1024 or unit == "TiB":
+            return f"{n:7d} {unit}"
+        n //= 1024
+    return f"{n:7d} TiB"  # unreachable
+
+
+def memory_summary(device: int | None = None) -> str:
+    """A readable table of :func:`memory_stats`: PyTorch's figures and MoonBright's own."""
+    s = memory_stats(device)
+    dev = options(device)["device"]
+    lines = [
+        "=" * 79,
+        f" MoonBright memory summary, device {dev}, backend {backend(device)}, "
+        f"cap {_format_size(s['moonbright.cap_bytes']).strip()}",
+        "-" * 79,
+        f" {'Metric':<24}| {'Cur Usage':>11} | {'Peak Usage':>11} | {'Tot Alloc':>11} | "
+        f"{'Tot Freed':>11}",
+        "-" * 79,
+    ]
+    rows = [
+        ("Requested memory", "requested_bytes.all", True),
+        ("Active (rounded) memory", "active_bytes.all", True),
+        ("Reserved memory", "reserved_bytes.all", True),
+        ("Rounding waste", "moonbright.rounding_waste_bytes", True),
+        ("Mapped virtual memory", "moonbright.mapped_bytes", True),
+        ("Allocations", "allocation.all", False),
+        ("Physical chunks", "moonbright.chunks", False),
+        ("Mapped handles", "moonbright.mapped_handles", False),
+        ("Cached ranges", "moonbright.cached_ranges", False),
+        ("Retired ranges", "moonbright.retired_ranges", False),
+    ]
+    for name, prefix, is_bytes in rows:
+        vals = [s[f"{prefix}.{k}"] for k in ("current", "peak", "allocated", "freed")]
+        cells = [_format_size(v) if is_bytes else f"{v:11d}" for v in vals]
+        lines.append(f" {name:<24}| " + " | ".join(f"{c:>11}" for c in cells))
+    lines.append("-" * 79)
+    lines.append(
+        f" OOMs: {s['num_ooms']}   cache hits: {s['moonbright.cache_hits']}   "
+        f"sub-page allocations: {s['moonbright.subpage_allocations']}   "
+        f"stolen cached ranges: {s['moonbright.cached_ranges_stolen']}"
+    )
+    lines.append(
+        f" unmap batches: {s['moonbright.unmap_batches']}   chunk splits: "
+        f"{s['moonbright.chunk_splits']}   peak reserved / peak requested: "
+        f"{s['moonbright.reserved_over_allocated_peak']:.3f}"
+    )
+    calls = ", ".join(
+        f"{k.split('.')[-1]} {v}"
+        for k, v in sorted(s.items())
+        if k.startswith("moonbright.driver_calls.") and not k.endswith(".total") and v
+    )
+    lines.append(f" driver calls: {s['moonbright.driver_calls.total']} ({calls or 'none'})")
+    lines.append("=" * 79)
+    return "\n".join(lines) + "\n"

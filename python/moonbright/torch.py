@@ -1,0 +1,250 @@
+"""MoonBright as PyTorch's CUDA allocator: globally, or for a scoped memory pool.
+
+Global mode, :func:`enable`::
+
+    import moonbright.torch
+    moonbright.torch.enable()          # before anything touches CUDA
+    x = torch.empty(1 << 30, device="cuda")
+
+Every CUDA tensor's memory then comes from MoonBright
+(``torch.cuda.memory.CUDAPluggableAllocator`` over this package's own extension module, with
+``torch.cuda.memory.change_current_allocator``). Each allocation of a page or more is stitched
+from any free physical pages into one fresh virtual range, so **fragmentation cannot cause an
+out-of-memory error**: a request fails only when too little memory is free in total. This is the
+mode where MoonBright's figures apply (peak reserved close to peak requested).
+
+``torch.cuda.memory_stats()``, ``memory_allocated()``, ``max_memory_allocated()``,
+``memory_reserved()``, ``max_memory_reserved()``, ``reset_peak_memory_stats()``,
+``memory_summary()``, ``empty_cache()`` and ``torch.cuda.memory._snapshot()`` keep working and
+report MoonBright's figures (PyTorch's CUDAPluggableAllocator raises "does not yet support
+getDeviceStats" for them; :func:`enable` replaces the ``torch._C`` functions they call). In
+PyTorch's keys, ``allocated_bytes`` and ``requested_bytes`` are the bytes asked for,
+``active_bytes`` the bytes after MoonBright's rounding (256 B below a page, whole pages above),
+``reserved_bytes`` the physical memory held, ``segment`` the physical chunks; MoonBright has one
+pool, so ``large_pool`` repeats ``all`` and ``small_pool`` is zero. MoonBright's own figures are
+under ``moonbright.`` in :func:`moonbright.memory_stats`.
+
+Out of memory raises ``torch.OutOfMemoryError`` with MoonBright's message (what was asked, what
+is allocated, reserved and free, and the cap), and the process goes on: free tensors and
+allocate again. :func:`moonbright.last_error` holds the message too.
+
+Memory-pool mode, :func:`pool`::
+
+    pool = moonbright.torch.pool()
+    with torch.cuda.use_mem_pool(pool):
+        kv_cache = torch.empty(..., device="cuda")
+
+PyTorch's caching allocator stays in charge: it asks MoonBright for whole segments (2 MiB and
+up) and carves tensors out of them itself, with its own rounding, splitting and caching. Only
+the segments come from MoonBright, so PyTorch's fragmentation inside its segments remains; what
+MoonBright adds is that segments are stitched from scattered pages, so a large segment never
+fails for lack of contiguous memory. PyTorch's own statistics work as usual in this mode (they
+describe PyTorch's pools); :func:`moonbright.memory_stats` describes the segments. Out of memory
+raises PyTorch's own ``torch.OutOfMemoryError``; MoonBright's explanation is in
+:func:`moonbright.last_error`. Use it for scoped work, or when the global allocator is already
+initialised.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import moonbright
+from moonbright import _moonbright
+
+__all__ = ["enable", "is_enabled", "pool", "oom_as_torch_error"]
+
+_enabled = False
+_oom_as_torch_error = False
+# Pluggable allocators handed to PyTorch: PyTorch keeps raw pointers to them.
+_keep: list[Any] = []
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("moonbright.torch needs PyTorch (pip install torch)") from e
+    return torch
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` made MoonBright PyTorch's global CUDA allocator."""
+    return _enabled
+
+
+def oom_as_torch_error() -> bool:
+    """Whether an out-of-memory in global mode raises ``torch.OutOfMemoryError`` (True once
+    :func:`enable` has checked the installed PyTorch), rather than ``RuntimeError``."""
+    return _oom_as_torch_error
+
+
+def _pytorch_error_layout_ok(torch: Any) -> bool:
+    """Checks that the installed PyTorch declares ``torch::PyTorchError`` as MoonBright's C++
+    entry point repeats it (a std::exception with one pure virtual ``python_type()`` and a
+    ``std::string msg``) and translates it with ``e.python_type()``."""
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "Exceptions.h")
+    try:
+        with open(header, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return False
+    m = re.search(
+        r"struct\s+(?:TORCH_PYTHON_API\s+)?PyTorchError\s*:\s*public\s+std::exception\s*\{(.*?)\n\};",
+        text,
+        re.S,
+    )
+    if not m:
+        return False
+    body = re.sub(r"//[^\n]*", "", m.group(1))
+    virtuals = re.findall(r"virtual\s+([^;{]*)", body)
+    if [v.strip() for v in virtuals] != ["PyObject* python_type() = 0"]:
+        return False
+    if not re.search(r"const\s+char\s*\*\s*what\(\)\s*const\s+noexcept\s+override", body):
+        return False
+    members = re.findall(r"^\s*([A-Za-z_:<>]+)\s+([A-Za-z_]+)\s*;", body, re.M)
+    if members != [("std::string", "msg")]:
+        return False
+    return bool(
+        re.search(r"catch\s*\(\s*torch::PyTorchError\s*&\s*e\s*\)", text)
+        and "e.python_type()" in text
+    )
+
+
+def _pluggable(alloc_fn: str) -> Any:
+    torch = _torch()
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        moonbright.library_path(), alloc_fn, "moonbright_free"
+    )
+    _keep.append(alloc)
+    return alloc
+
+
+def enable(*, oom_as_torch_error: bool = True) -> None:
+    """Makes MoonBright PyTorch's CUDA allocator for this process (global mode; see the module
+    documentation). Call it before anything initialises CUDA in PyTorch. Calling it again does
+    nothing.
+
+    ``oom_as_torch_error``: raise ``torch.OutOfMemoryError`` on out of memory (checked against
+    the installed PyTorch's headers; ``RuntimeError`` with the same message when the check
+    fails or this is False).
+    """
+    global _enabled, _oom_as_torch_error
+    if _enabled:
+        return
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "moonbright.torch.enable(): PyTorch sees no CUDA device (torch.cuda.is_available() "
+            "is False); use moonbright's own functions with the host backend instead"
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "moonbright.torch.enable() must be called before PyTorch initialises CUDA: PyTorch's "
+            "own allocator is already in use (a CUDA tensor was made, or torch.cuda.init() ran), "
+            "and PyTorch cannot swap it. Call enable() first thing after `import torch`, or use "
+            "moonbright.torch.pool() for scoped use."
+        )
+    if moonbright.options()["backend"] == "host":
+        raise RuntimeError(
+            "moonbright.torch.enable(): MOONBRIGHT_ALLOC_CONF (or configure()) selects the host "
+            "backend, whose memory CUDA kernels cannot use; use backend:auto or backend:cuda"
+        )
+    _oom_as_torch_error = bool(oom_as_torch_error) and _pytorch_error_layout_ok(torch)
+    _moonbright._set_torch_oom_type(torch.OutOfMemoryError if _oom_as_torch_error else None)
+    alloc = _pluggable("moonbright_torch_alloc")
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "moonbright.torch.enable(): PyTorch refused to change its allocator, because its own "
+            "CUDA allocator has already allocated. Call enable() before any CUDA work. "
+            f"(PyTorch said: {e})"
+        ) from e
+    _patch_statistics(torch)
+    _enabled = True
+
+
+def _patch_statistics(torch: Any) -> None:
+    """Points the ``torch._C`` functions behind torch.cuda's statistics at MoonBright.
+
+    In torch/cuda/memory.py (PyTorch 2.11), ``memory_stats`` calls
+    ``memory_stats_as_nested_dict``, which returns ``torch._C._cuda_memoryStats(device)``;
+    ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
+    ``max_memory_reserved`` and ``memory_summary`` read ``memory_stats``;
+    ``reset_peak_memory_stats`` calls ``torch._C._cuda_resetPeakMemoryStats(device)``;
+    ``empty_cache`` calls ``torch._C._cuda_emptyCache()``; ``memory_snapshot`` and
+    ``_snapshot`` call ``torch._C._cuda_memorySnapshot(...)``; ``_record_memory_history``
+    calls ``torch._C._cuda_record_memory_history(...)``. All are looked up on ``torch._C`` at
+    call time, so replacing them there reaches every caller.
+    """
+    C = torch._C
+    originals = {
+        name: getattr(C, name, None)
+        for name in (
+            "_cuda_memoryStats",
+            "_cuda_resetPeakMemoryStats",
+            "_cuda_resetAccumulatedMemoryStats",
+            "_cuda_emptyCache",
+            "_cuda_memorySnapshot",
+            "_cuda_record_memory_history",
+        )
+    }
+    _keep.append(originals)
+
+    def device_of(device: Any) -> int:
+        if device is None:
+            return int(torch.cuda.current_device())
+        return int(device)
+
+    def memory_stats(device: Any = None) -> dict[str, Any]:
+        return moonbright.memory_stats_as_nested_dict(device_of(device))
+
+    def reset_peak(device: Any = None) -> None:
+        moonbright.reset_peak_memory_stats(device_of(device))
+
+    def reset_accumulated(device: Any = None) -> None:
+        raise RuntimeError(
+            "MoonBright keeps its cumulative totals (the .allocated and .freed figures) for the "
+            "life of the process; reset_accumulated_memory_stats is not supported. "
+            "reset_peak_memory_stats is."
+        )
+
+    def empty_cache(*args: Any, **kwargs: Any) -> None:
+        for d in range(torch.cuda.device_count()):
+            if moonbright.is_initialized(d):
+                moonbright.empty_cache(d)
+
+    def memory_snapshot(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return moonbright.snapshot()
+
+    def record_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        max_entries = kwargs.get("max_entries")
+        if max_entries is None:
+            ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+            max_entries = ints[0] if ints else 100_000
+        on = enabled not in (None, False)
+        moonbright.record_memory_history(on, max_entries=max(1, min(int(max_entries), 1 << 24)))
+
+    C._cuda_memoryStats = memory_stats
+    C._cuda_resetPeakMemoryStats = reset_peak
+    C._cuda_resetAccumulatedMemoryStats = reset_accumulated
+    C._cuda_emptyCache = empty_cache
+    C._cuda_memorySnapshot = memory_snapshot
+    C._cuda_record_memory_history = record_history
+
+
+def pool() -> Any:
+    """A ``torch.cuda.MemPool`` whose segments come from MoonBright, for
+    ``with torch.cuda.use_mem_pool(pool):`` (memory-pool mode; see the module documentation).
+    In global mode every allocation comes from MoonBright already, so this raises."""
+    torch = _torch()
+    if _enabled:
+        raise RuntimeError(
+            "moonbright.torch.pool(): MoonBright is already PyTorch's global allocator "
+            "(enable() was called); every allocation comes from it, no pool is needed"
+        )
+    alloc = _pluggable("moonbright_alloc")
+    return torch.cuda.MemPool(alloc.allocator())

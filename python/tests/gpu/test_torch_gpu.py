@@ -1,0 +1,239 @@
+"""PyTorch on a GPU under MoonBright (run on the H200: python3 -m pytest python/tests/gpu -x -q).
+
+MoonBright becomes PyTorch's allocator for a whole process and cannot be switched back, so every
+test runs its scenario in a fresh Python process and checks what it prints (a JSON line).
+Skipped without PyTorch or without a CUDA device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def run(code, conf="", timeout=600):
+    env = dict(os.environ)
+    env["MOONBRIGHT_ALLOC_CONF"] = conf
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"no result printed:\n{r.stdout}\n{r.stderr}"
+    return json.loads(lines[-1])
+
+
+LLAMA = """
+import hashlib, json, sys
+import torch
+if sys.argv[1:] == ["moonbright"] or MODE == "moonbright":
+    import moonbright.torch
+    moonbright.torch.enable()
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+cfg = LlamaConfig(
+    vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+    attn_implementation="eager",
+)
+model = LlamaForCausalLM(cfg).cuda()
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, 1000, (2, 24), generator=g).cuda()
+model.eval()
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    logits = model(ids).logits
+model.train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+loss = model(ids, labels=ids).loss
+loss.backward()
+opt.step()
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().float().cpu().numpy().tobytes())
+h2 = hashlib.sha256(logits.float().cpu().numpy().tobytes())
+stats = {}
+if MODE == "moonbright":
+    import moonbright
+    s = torch.cuda.memory_stats()
+    stats = {
+        "allocated": torch.cuda.memory_allocated(),
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "backend": moonbright.backend(),
+        "summary": "PyTorch CUDA memory summary" in torch.cuda.memory_summary(),
+    }
+print(json.dumps({
+    "generated": out.tolist(), "loss": loss.item().hex(), "params": h.hexdigest(),
+    "logits": h2.hexdigest(), "stats": stats,
+}))
+"""
+
+
+def test_llama_generate_and_train_bit_identical():
+    pytest.importorskip("transformers")
+    ref = run("MODE = 'default'\n" + LLAMA)
+    got = run("MODE = 'moonbright'\n" + LLAMA)
+    assert got["stats"]["backend"] == "cuda"
+    assert got["stats"]["summary"]
+    assert 0 < got["stats"]["allocated"] <= got["stats"]["max_allocated"] <= got["stats"]["reserved"]
+    for key in ("generated", "logits", "loss", "params"):
+        assert got[key] == ref[key], key
+
+
+def test_stats_match_live_tensor_bytes():
+    r = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        base = torch.cuda.memory_allocated()
+        sizes = [1, 255, 256, 1000, 4096, 1 << 20, (2 << 20) + 1, 3 << 20, 100 << 20, 7777777]
+        ts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        live = sum(t.untyped_storage().nbytes() for t in ts)
+        a1 = torch.cuda.memory_allocated() - base
+        s = torch.cuda.memory_stats()
+        flat = moonbright.memory_stats()
+        del ts[::2]
+        live2 = sum(t.untyped_storage().nbytes() for t in ts)
+        a2 = torch.cuda.memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        peak_after_reset = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        print(json.dumps({
+            "live": live, "a1": a1, "live2": live2, "a2": a2, "peak": peak,
+            "peak_after_reset": peak_after_reset, "now": torch.cuda.memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(), "n": len(sizes),
+            "same": s["allocated_bytes.all.current"] == flat["allocated_bytes.all.current"],
+            "active": s["active_bytes.all.current"],
+        }))
+        """
+    )
+    slack = 512 * r["n"]  # "within rounding": PyTorch may round a request
+    assert r["live"] <= r["a1"] <= r["live"] + slack
+    assert r["live2"] <= r["a2"] <= r["live2"] + slack
+    assert r["peak"] >= r["a1"]
+    assert r["peak_after_reset"] == r["now"]
+    assert r["reserved"] >= r["now"]
+    assert r["active"] >= r["a1"]
+    assert r["same"]
+
+
+def test_oom_raises_torch_out_of_memory_and_recovers():
+    r = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        a = torch.ones(512 << 20, dtype=torch.uint8, device="cuda")
+        err, kind = "", ""
+        try:
+            b = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            kind, err = "OutOfMemoryError", str(e)
+        except RuntimeError as e:
+            kind, err = "RuntimeError", str(e)
+        del a
+        b = torch.full((768 << 20,), 3, dtype=torch.uint8, device="cuda")
+        ok = int(b[-1].item()) == 3 and int(b.sum(dtype=torch.int64).item()) == 3 * (768 << 20)
+        print(json.dumps({
+            "kind": kind, "err": err, "ok": ok, "last": moonbright.last_error() or "",
+            "ooms": torch.cuda.memory_stats()["num_ooms"],
+            "torch_error": moonbright.torch.oom_as_torch_error(),
+        }))
+        """,
+        conf="cap:1GiB",
+    )
+    assert r["torch_error"], "the installed PyTorch's torch::PyTorchError did not match"
+    assert r["kind"] == "OutOfMemoryError", r
+    assert "out of memory" in r["err"] and "MoonBright" in r["err"]
+    assert "out of memory" in r["last"]
+    assert r["ooms"] >= 1
+    assert r["ok"]
+
+
+def test_snapshot_opens_in_memory_viz(tmp_path):
+    path = tmp_path / "snap.pickle"
+    r = run(
+        f"""
+        import json, pickle, torch, moonbright, moonbright.torch
+        from torch.cuda import _memory_viz
+        moonbright.torch.enable()
+        torch.cuda.memory._record_memory_history(max_entries=10000)
+        xs = [torch.empty(n, device="cuda") for n in (10, 1 << 18, 3 << 20, 5000)]
+        del xs[1]
+        y = (xs[0].sum() + 1).item()
+        snap = moonbright.snapshot()
+        moonbright.dump_snapshot({str(path)!r})
+        with open({str(path)!r}, "rb") as f:
+            loaded = pickle.load(f)
+        seg = _memory_viz.segment_plot(loaded)
+        trace = _memory_viz.trace_plot(loaded)
+        via_torch = torch.cuda.memory._snapshot()
+        print(json.dumps({{
+            "segments": len(snap["segments"]), "seg_plot": len(seg), "trace_plot": len(trace),
+            "actions": sorted({{e["action"] for e in snap["device_traces"][0]}}),
+            "torch_segments": len(via_torch["segments"]),
+            "memory_snapshot": len(torch.cuda.memory_snapshot()),
+        }}))
+        """
+    )
+    assert r["segments"] > 0 and r["seg_plot"] > 0 and r["trace_plot"] > 0
+    assert "alloc" in r["actions"] and "free_requested" in r["actions"]
+    assert r["torch_segments"] == r["segments"]
+    assert r["memory_snapshot"] == r["segments"]
+
+
+def test_mempool_mode():
+    r = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        pool = moonbright.torch.pool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.full((10 << 20,), 7, dtype=torch.uint8, device="cuda")
+        y = torch.ones(1 << 20, device="cuda")  # outside: PyTorch's own memory
+        ok = int(x.sum(dtype=torch.int64).item()) == 7 * (10 << 20)
+        s = moonbright.memory_stats()
+        print(json.dumps({
+            "ok": ok, "mb_allocated": s["allocated_bytes.all.current"],
+            "torch_allocated": torch.cuda.memory_allocated(),
+        }))
+        """
+    )
+    assert r["ok"]
+    assert r["mb_allocated"] >= 10 << 20
+    assert r["torch_allocated"] >= 4 << 20
+
+
+def test_enable_after_cuda_init_is_a_clear_error():
+    r = run(
+        """
+        import json, torch, moonbright.torch
+        torch.zeros(1, device="cuda")
+        try:
+            moonbright.torch.enable()
+            msg = ""
+        except RuntimeError as e:
+            msg = str(e)
+        print(json.dumps({"msg": msg}))
+        """
+    )
+    assert "before PyTorch initialises CUDA" in r["msg"]

@@ -1,0 +1,244 @@
+"""CPU tests of the moonbright package on the host backend (no GPU, no PyTorch needed)."""
+
+import ctypes
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import moonbright
+
+PAGE = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = ctypes.CDLL(moonbright.library_path())
+    lib.moonbright_alloc.restype = ctypes.c_void_p
+    lib.moonbright_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.moonbright_free.restype = None
+    lib.moonbright_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def run_py(code, conf=None):
+    env = dict(os.environ)
+    env.pop("MOONBRIGHT_ALLOC_CONF", None)
+    if conf is not None:
+        env["MOONBRIGHT_ALLOC_CONF"] = conf
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
+    )
+
+
+def test_import_and_version():
+    assert moonbright.__version__
+    assert os.path.exists(moonbright.library_path())
+    assert moonbright.backend() == "host"
+    assert moonbright.page_size() == PAGE
+
+
+def test_parse_conf_values_and_errors():
+    o = moonbright.parse_conf("backend:host,cap:12GiB,unmap_batch:8,validate:false")
+    assert o["backend"] == "host" and o["cap"] == 12 << 30 and o["unmap_batch"] == 8
+    with pytest.raises(ValueError, match="cap_fraction") as e:
+        moonbright.parse_conf("cap_fraction:2")
+    assert "(0, 1]" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        moonbright.parse_conf("prefetch:3")
+    msg = str(e.value)
+    assert "prefetch" in msg
+    for key, _ in moonbright.CONF_KEYS:
+        assert key in msg
+
+
+def test_configure_after_first_use_is_refused():
+    moonbright.memory_stats()  # creates the allocator
+    with pytest.raises(RuntimeError, match="before the first allocation"):
+        moonbright.configure(cap="1GiB")
+
+
+def test_configure_keywords_in_a_fresh_process():
+    r = run_py(
+        """
+        import moonbright
+        try:
+            moonbright.configure(backend="host", bogus=1)
+        except ValueError as e:
+            print("ERR", e)
+        try:
+            moonbright.configure(backend="host", cap="lots")
+        except ValueError as e:
+            print("ERR", e)
+        moonbright.configure(backend="host", host_capacity="64MiB", cap=16 << 20, validate=True)
+        print("OPTS", moonbright.options()["cap"], moonbright.backend(), moonbright.cap())
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "bogus" in lines[0] and "backend" in lines[0]
+    assert "`cap`" in lines[1] and "GiB" in lines[1]
+    assert lines[2] == f"OPTS {16 << 20} host {16 << 20}"
+
+
+def test_bad_env_conf_names_the_key():
+    r = run_py("import moonbright; moonbright.memory_stats()", conf="backend:host,cap:-3")
+    assert r.returncode != 0
+    assert "MOONBRIGHT_ALLOC_CONF" in r.stderr and "`cap`" in r.stderr
+
+
+def test_stats_after_allocations_through_the_c_symbols(lib):
+    before = moonbright.memory_stats()
+    p = lib.moonbright_alloc(3 * PAGE, 0, None)
+    q = lib.moonbright_alloc(1000, 0, None)
+    assert p and q and p % 256 == 0 and q % 256 == 0
+    s = moonbright.memory_stats()
+    for fam in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes",
+                "allocation", "active", "segment", "inactive_split_bytes", "inactive_split"):
+        for pool in ("all", "large_pool", "small_pool"):
+            for k in ("current", "peak", "allocated", "freed"):
+                assert isinstance(s[f"{fam}.{pool}.{k}"], int)
+    for k in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+              "moonbright.rounding_waste_bytes.current", "moonbright.cache_hits",
+              "moonbright.driver_calls.map", "moonbright.driver_calls.total"):
+        assert k in s
+    grew = s["allocated_bytes.all.current"] - before["allocated_bytes.all.current"]
+    assert grew == 3 * PAGE + 1000
+    assert s["requested_bytes.all.current"] == s["allocated_bytes.all.current"]
+    assert s["active_bytes.all.current"] - before["active_bytes.all.current"] == 3 * PAGE + 1024
+    assert s["reserved_bytes.all.current"] >= s["active_bytes.all.current"]
+    assert s["allocation.all.current"] - before["allocation.all.current"] == 2
+    assert s["num_device_alloc"] > before["num_device_alloc"] or s["moonbright.cache_hits"] > 0
+    # data lands where the pointer says
+    moonbright._moonbright._write(p, b"moonbright")
+    assert moonbright._moonbright._read(p, 10) == b"moonbright"
+    lib.moonbright_free(q, 1000, 0, None)
+    lib.moonbright_free(p, 3 * PAGE, 0, None)
+    s2 = moonbright.memory_stats()
+    assert s2["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert s2["allocated_bytes.all.freed"] - before["allocated_bytes.all.freed"] == 3 * PAGE + 1000
+    moonbright.check_invariants()
+
+
+def test_size_zero_and_null_free_are_no_ops(lib):
+    moonbright.clear_last_error()
+    assert lib.moonbright_alloc(0, 0, None) is None
+    lib.moonbright_free(None, 0, 0, None)
+    assert moonbright.last_error() is None
+
+
+def test_reset_peak(lib):
+    p = lib.moonbright_alloc(4 * PAGE, 0, None)
+    lib.moonbright_free(p, 0, 0, None)
+    s = moonbright.memory_stats()
+    assert s["allocated_bytes.all.peak"] >= 4 * PAGE > s["allocated_bytes.all.current"]
+    moonbright.reset_peak_memory_stats()
+    s = moonbright.memory_stats()
+    assert s["allocated_bytes.all.peak"] == s["allocated_bytes.all.current"]
+    assert s["reserved_bytes.all.peak"] == s["reserved_bytes.all.current"]
+
+
+def test_oom_returns_null_and_last_error_says_out_of_memory(lib):
+    cap = moonbright.cap()
+    held = [lib.moonbright_alloc(PAGE, 0, None) for _ in range(cap // PAGE)]
+    assert all(held)
+    ooms = moonbright.memory_stats()["num_ooms"]
+    assert lib.moonbright_alloc(2 * PAGE, 0, None) is None
+    assert "out of memory" in moonbright.last_error()
+    assert moonbright.memory_stats()["num_ooms"] == ooms + 1
+    assert lib.moonbright_alloc(cap * 4, 0, None) is None
+    assert "larger than the cap" in moonbright.last_error()
+    for p in held[::2]:
+        lib.moonbright_free(p, 0, 0, None)
+    # scattered pages, stitched: a request larger than any hole succeeds
+    big = lib.moonbright_alloc(4 * PAGE, 0, None)
+    assert big
+    lib.moonbright_free(big, 0, 0, None)
+    for p in held[1::2]:
+        lib.moonbright_free(p, 0, 0, None)
+    moonbright.check_invariants()
+
+
+def test_bad_frees_do_not_crash(lib, capfd):
+    moonbright.clear_last_error()
+    lib.moonbright_free(0x1234, 16, 0, None)
+    assert "unknown pointer" in moonbright.last_error()
+    p = lib.moonbright_alloc(2 * PAGE, 0, None)
+    lib.moonbright_free(p + 256, 0, 0, None)
+    assert "points 256 bytes into" in moonbright.last_error()
+    lib.moonbright_free(p, 0, 0, None)
+    lib.moonbright_free(p, 0, 0, None)
+    assert "free" in moonbright.last_error()
+    lib.moonbright_free(p, 0, 99, None)  # a device out of range
+    assert "device 99" in moonbright.last_error()
+    assert "moonbright: free failed" in capfd.readouterr().err
+    moonbright.check_invariants()
+
+
+def test_negative_size_is_refused(lib):
+    assert lib.moonbright_alloc(-5, 0, None) is None
+    assert "negative" in moonbright.last_error()
+
+
+def test_snapshot_structure(lib, tmp_path):
+    moonbright.record_memory_history(True, max_entries=1000)
+    p = lib.moonbright_alloc(2 * PAGE + 5, 0, None)
+    q = lib.moonbright_alloc(300, 0, None)
+    lib.moonbright_free(q, 0, 0, None)
+    snap = moonbright.snapshot()
+    assert set(snap) == {"segments", "device_traces"}
+    seg = next(s for s in snap["segments"] if s["address"] == p)
+    for k in ("device", "address", "total_size", "allocated_size", "active_size",
+              "requested_size", "stream", "segment_type", "segment_pool_id", "is_expandable",
+              "frames", "blocks"):
+        assert k in seg
+    assert seg["segment_type"] == "large" and seg["segment_pool_id"] == (0, 0)
+    assert seg["requested_size"] == 2 * PAGE + 5
+    assert seg["blocks"][0] == {"address": p, "size": 3 * PAGE, "requested_size": 2 * PAGE + 5,
+                                "state": "active_allocated", "frames": []}
+    trace = snap["device_traces"][0]
+    actions = [e["action"] for e in trace]
+    assert "alloc" in actions and "free_requested" in actions and "free_completed" in actions
+    ev = next(e for e in trace if e["action"] == "alloc" and e["addr"] == p)
+    assert ev["size"] == 2 * PAGE + 5 and set(ev) == {"action", "addr", "size", "stream",
+                                                     "time_us", "frames"}
+    path = tmp_path / "snap.pickle"
+    moonbright.dump_snapshot(str(path))
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"]
+    lib.moonbright_free(p, 0, 0, None)
+    moonbright.record_memory_history(False)
+
+
+def test_snapshot_opens_in_pytorch_memory_viz(lib):
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    moonbright.record_memory_history(True)
+    ptrs = [lib.moonbright_alloc(n, 0, None) for n in (PAGE, 3 * PAGE, 500, 7000)]
+    for p in ptrs[::2]:
+        lib.moonbright_free(p, 0, 0, None)
+    snap = moonbright.snapshot()
+    assert memory_viz.segment_plot(snap)
+    assert memory_viz.trace_plot(snap)
+    for p in ptrs[1::2]:
+        lib.moonbright_free(p, 0, 0, None)
+    moonbright.record_memory_history(False)
+
+
+def test_summary_and_empty_cache(lib):
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    lib.moonbright_free(p, 0, 0, None)
+    text = moonbright.memory_summary()
+    assert "Reserved memory" in text and "driver calls" in text
+    moonbright.empty_cache()
+    nested = moonbright.memory_stats_as_nested_dict()
+    assert nested["allocated_bytes"]["all"]["current"] == moonbright.memory_stats()["allocated_bytes.all.current"]
+    assert nested["moonbright"]["driver_calls"]["map"] >= 1
+
+
+def test_torch_module_imports_without_torch():
+    import moonbright.torch as mt
+
+    assert not mt.is_enabled()
