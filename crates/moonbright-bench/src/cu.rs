@@ -110,9 +110,11 @@ impl Gpu {
     pub fn open() -> Res<Gpu> {
         // SAFETY: only tries to dlopen libcuda and drops it again.
         if !unsafe { sys::is_culib_present() } {
-            return Err("no GPU: libcuda not found (no NVIDIA driver here); these benchmarks need \
+            return Err(
+                "no GPU: libcuda not found (no NVIDIA driver here); these benchmarks need \
                         a CUDA GPU"
-                .into());
+                    .into(),
+            );
         }
         let missing: Vec<&str> = REQUIRED_SYMBOLS
             .iter()
@@ -316,7 +318,7 @@ impl Event {
     pub fn new(timing: bool) -> Res<Event> {
         let mut e: sys::CUevent = ptr::null_mut();
         let flags = if timing { 0 } else { 2 }; // CU_EVENT_DISABLE_TIMING
-        // SAFETY: valid out-pointer.
+                                                // SAFETY: valid out-pointer.
         ck(unsafe { sys::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
         Ok(Event(e))
     }

@@ -50,6 +50,19 @@ pub fn background_option(opts: &mut Options, on: bool) {
     let _ = (opts, on);
 }
 
+/// The window `Options::default()` has: (min, max) bytes; (0, 0) without the `frontend` feature.
+pub fn default_window() -> (u64, u64) {
+    #[cfg(feature = "frontend")]
+    {
+        let d = Options::default();
+        (d.prefetch_window_min, d.prefetch_window_max)
+    }
+    #[cfg(not(feature = "frontend"))]
+    {
+        (0, 0)
+    }
+}
+
 /// MoonBright options on the CUDA backend: `cap` bytes, chunks up to `max_chunk`, a window of
 /// `window` bytes (0: none) and background workers on or off.
 pub fn mb_options(cap: Option<u64>, max_chunk: u64, window: (u64, u64), bg: bool) -> Options {
@@ -113,5 +126,10 @@ pub fn call_delta(
     after: &moonbright::driver::CallCounts,
     before: &moonbright::driver::CallCounts,
 ) -> std::collections::BTreeMap<String, u64> {
-    after.since(before).iter().filter(|(_, n)| *n > 0).map(|(k, n)| (k.key().to_string(), n)).collect()
+    after
+        .since(before)
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(k, n)| (k.key().to_string(), n))
+        .collect()
 }

@@ -68,7 +68,13 @@ mod tests {
 
     #[test]
     fn deterministic_and_near_target() {
-        let spec = StressSpec { seed: 7, ops: 20_000, min: 1 << 10, max: 512 << 20, live_target: 60 << 30 };
+        let spec = StressSpec {
+            seed: 7,
+            ops: 20_000,
+            min: 1 << 10,
+            max: 512 << 20,
+            live_target: 60 << 30,
+        };
         let (a, pa) = stress_ops(&spec);
         let (b, pb) = stress_ops(&spec);
         assert_eq!(a, b);

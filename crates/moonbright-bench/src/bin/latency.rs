@@ -199,7 +199,8 @@ fn during_kernel(
     trials: usize,
 ) -> Res<KernelRow> {
     let ks = Stream::new(true)?;
-    let (e0, e1) = (moonbright_bench::cu::Event::new(true)?, moonbright_bench::cu::Event::new(true)?);
+    let (e0, e1) =
+        (moonbright_bench::cu::Event::new(true)?, moonbright_bench::cu::Event::new(true)?);
     let mut p = kind.make(gpu, size)?;
     // Warm the path (for the cache-hit path, the size is then cached).
     p.prepare()?;
@@ -251,7 +252,13 @@ struct ChunkRow {
 
 /// Set-access and unmap calls per GiB, and time, for 64 MiB chunks against 2 MiB pages.
 fn chunks(size: u64, max_chunk: u64, quick: bool) -> Res<ChunkRow> {
-    let n = if quick { 2 } else if size > GIB { 3 } else { 5 };
+    let n = if quick {
+        2
+    } else if size > GIB {
+        3
+    } else {
+        5
+    };
     let mut mb = Mb::with_options(MbMode::Cold, size, mb_options(None, max_chunk, (0, 0), false))?;
     let (mut a, mut f, mut r) = (vec![], vec![], vec![]);
     let mut total = moonbright::driver::CallCounts::default();
@@ -340,7 +347,8 @@ fn targets(rows: &[Row], kernel: &[KernelRow]) -> Vec<Target> {
     {
         let v = c.alloc_us.p50 / w.alloc_us.p50;
         t.push(Target {
-            what: "cuMemAlloc 1 GiB alloc p50 / MoonBright window-hit (fresh) 1 GiB alloc p50".into(),
+            what: "cuMemAlloc 1 GiB alloc p50 / MoonBright window-hit (fresh) 1 GiB alloc p50"
+                .into(),
             value: v,
             target: ">= 10".into(),
             met: v >= 10.0,
@@ -352,7 +360,10 @@ fn targets(rows: &[Row], kernel: &[KernelRow]) -> Vec<Target> {
         {
             let v = c.alloc_us.p50 / r.alloc_us.p50;
             t.push(Target {
-                what: format!("MoonBright cold map {} alloc p50 / raw VMM (one handle)", human(size)),
+                what: format!(
+                    "MoonBright cold map {} alloc p50 / raw VMM (one handle)",
+                    human(size)
+                ),
                 value: v,
                 target: "<= 1".into(),
                 met: v <= 1.0,
@@ -519,7 +530,9 @@ fn run() -> Res<()> {
                 g("unmap")
             );
         }
-        println!("(one cuMemUnmap / cuMemSetAccess call may span many handles; its cost grows with");
+        println!(
+            "(one cuMemUnmap / cuMemSetAccess call may span many handles; its cost grows with"
+        );
         println!(" the handles, i.e. with the map calls)");
     }
 
