@@ -20,6 +20,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxSynchronize",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuDriverGetVersion",
@@ -254,6 +255,13 @@ pub fn mem_free(p: u64) -> Res<()> {
 pub fn memset_d32(p: u64, value: u32, words: usize) -> Res<()> {
     // SAFETY: the caller passes memory it owns, `words` 4-byte words long.
     ck(unsafe { sys::cuMemsetD32_v2(p, value, words) }, "cuMemsetD32_v2")
+}
+
+/// Waits for all work in the current context (after legacy-stream memsets, before kernels on
+/// non-blocking streams read what they wrote).
+pub fn ctx_sync() -> Res<()> {
+    // SAFETY: no arguments; a context is current.
+    ck(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
 }
 
 /// Copies `dst.len()` u64 from device memory (synchronous).

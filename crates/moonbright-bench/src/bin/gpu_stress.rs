@@ -14,7 +14,8 @@ use clap::Parser;
 use cudarc::driver::sys;
 use moonbright::Allocator;
 use moonbright_bench::cu::{
-    copy_dtoh_u64, mem_alloc, mem_free, memset_d32, Arg, Event, Function, Gpu, Module, Stream,
+    copy_dtoh_u64, ctx_sync, mem_alloc, mem_free, memset_d32, Arg, Event, Function, Gpu, Module,
+    Stream,
 };
 use moonbright_bench::{call_delta, kernels, main_wrapper, mb_options, Res, GIB, MIB};
 use rand::{Rng, SeedableRng};
@@ -121,6 +122,7 @@ impl Shared<'_> {
         let s = Stream::new(true)?;
         let bad = mem_alloc(8)?;
         memset_d32(bad, 0, 2)?;
+        ctx_sync()?;
         let mut rng = ChaCha8Rng::seed_from_u64(a.seed * 1000 + me as u64);
         let (lo, hi) = (256f64.ln(), ((a.max_mib * MIB) as f64).ln());
         let mut live: Vec<(u64, u64, u32)> = vec![];
@@ -245,6 +247,7 @@ fn run() -> Res<()> {
     let s = Stream::new(true)?;
     let bad = mem_alloc(8)?;
     memset_d32(bad, 0, 2)?;
+    ctx_sync()?;
     let mut left = ThreadReport::default();
     for i in 0..args.threads {
         shared.drain(i, &s, bad, &mut left)?;

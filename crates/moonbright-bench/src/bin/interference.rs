@@ -15,7 +15,7 @@ use clap::Parser;
 use cudarc::driver::sys;
 use moonbright::Allocator;
 use moonbright_bench::cu::{
-    ck, mem_alloc, mem_free, memset_d32, Arg, Event, Function, Gpu, Module, Stream,
+    ck, ctx_sync, mem_alloc, mem_free, memset_d32, Arg, Event, Function, Gpu, Module, Stream,
 };
 use moonbright_bench::stats::Summary;
 use moonbright_bench::{call_delta, kernels, main_wrapper, mb_options, Res, GIB, MIB};
@@ -85,6 +85,7 @@ impl Kernels {
         let src = mem_alloc(copy_bytes as usize)?;
         let dst = mem_alloc(copy_bytes as usize)?;
         memset_d32(src, 1, (copy_bytes / 4) as usize)?;
+        ctx_sync()?;
         let k = Kernels {
             gather: m.function("gather")?,
             copy: m.function("copy")?,
