@@ -1,0 +1,566 @@
+//! Allocation latency (issue 3, item 7): alloc+free p50/p99 for six sizes and every path, then
+//! the same while a 50 ms kernel runs on another stream, then set-access and unmap calls per GiB
+//! with and without large chunks. One process; prints a table with ratios and writes JSON.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use moonbright::CallKind;
+use moonbright_bench::cu::{Arg, Gpu, Module, Stream};
+use moonbright_bench::paths::{AllocPath, CuAsync, CuMalloc, Mb, MbMode, RawVmm};
+use moonbright_bench::stats::{us_since, Summary};
+use moonbright_bench::{call_delta, human, kernels, main_wrapper, mb_options, Res, GIB, KIB, MIB};
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(about = "Allocation latency of MoonBright against the CUDA alternatives")]
+struct Args {
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// A quarter of the repetitions (a smoke test).
+    #[arg(long)]
+    quick: bool,
+    /// Skip the part with a running kernel.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Skip the large-chunk comparison.
+    #[arg(long)]
+    no_chunks: bool,
+    /// Trials per path and size while the 50 ms kernel runs.
+    #[arg(long, default_value_t = 3)]
+    kernel_trials: usize,
+}
+
+const SIZES: [u64; 6] = [256, 64 * KIB, 2 * MIB, 64 * MIB, GIB, 8 * GIB];
+
+/// (warm-up, timed) repetitions for a size.
+fn reps(size: u64, quick: bool) -> (usize, usize) {
+    let (w, r) = match size {
+        s if s <= 2 * MIB => (20, 200),
+        s if s <= 64 * MIB => (10, 100),
+        s if s <= GIB => (3, 30),
+        _ => (1, 8),
+    };
+    if quick {
+        (w.min(2), (r / 4).max(3))
+    } else {
+        (w, r)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum PathKind {
+    MbCache,
+    MbWindow,
+    MbCold,
+    CuMemAlloc,
+    CuMemAllocAsync,
+    RawVmm,
+    RawVmmPages,
+}
+
+impl PathKind {
+    fn label(self) -> &'static str {
+        match self {
+            PathKind::MbCache => "MoonBright cache hit",
+            PathKind::MbWindow => "MoonBright window hit",
+            PathKind::MbCold => "MoonBright cold map",
+            PathKind::CuMemAlloc => "cuMemAlloc/cuMemFree",
+            PathKind::CuMemAllocAsync => "cuMemAllocAsync (warm)",
+            PathKind::RawVmm => "raw VMM, one handle",
+            PathKind::RawVmmPages => "raw VMM, 2 MiB pages",
+        }
+    }
+
+    /// Whether this path is measured at `size`.
+    fn applies(self, size: u64) -> bool {
+        match self {
+            // Below a page a request is carved from an arena: no window involved.
+            PathKind::MbWindow => size >= 2 * MIB,
+            PathKind::RawVmmPages => size >= 2 * MIB,
+            _ => true,
+        }
+    }
+
+    fn make(self, gpu: &Gpu, size: u64) -> Res<Box<dyn AllocPath>> {
+        Ok(match self {
+            PathKind::MbCache => Box::new(Mb::new(MbMode::Cache, size)?),
+            PathKind::MbWindow => Box::new(Mb::new(MbMode::Window, size)?),
+            PathKind::MbCold => Box::new(Mb::new(MbMode::Cold, size)?),
+            PathKind::CuMemAlloc => Box::new(CuMalloc),
+            PathKind::CuMemAllocAsync => Box::new(CuAsync::new(gpu)?),
+            PathKind::RawVmm => Box::new(RawVmm::new(gpu, false)?),
+            PathKind::RawVmmPages => Box::new(RawVmm::new(gpu, true)?),
+        })
+    }
+}
+
+const PATHS: [PathKind; 7] = [
+    PathKind::MbCache,
+    PathKind::MbWindow,
+    PathKind::MbCold,
+    PathKind::CuMemAlloc,
+    PathKind::CuMemAllocAsync,
+    PathKind::RawVmm,
+    PathKind::RawVmmPages,
+];
+
+#[derive(Debug, Serialize)]
+struct Row {
+    path: PathKind,
+    label: &'static str,
+    size: u64,
+    alloc_us: Summary,
+    free_us: Summary,
+    pair_us: Summary,
+    /// MoonBright: cache hits during the timed repetitions.
+    cache_hits: Option<u64>,
+    /// MoonBright: timed repetitions whose malloc made a create, map or set-access call (a
+    /// background worker's call in that window counts too).
+    mallocs_with_map_calls: Option<usize>,
+    /// MoonBright: every driver call during the timed repetitions (background workers included).
+    driver_calls: Option<BTreeMap<String, u64>>,
+}
+
+fn map_calls(c: &moonbright::driver::CallCounts) -> u64 {
+    c.get(CallKind::Create) + c.get(CallKind::Map) + c.get(CallKind::SetAccess)
+}
+
+fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
+    let (warm, n) = reps(size, quick);
+    let n = if kind == PathKind::RawVmmPages && size > GIB { n.min(3) } else { n };
+    let mut p = kind.make(gpu, size)?;
+    for _ in 0..warm {
+        p.prepare()?;
+        let x = p.alloc(size)?;
+        p.free(x)?;
+    }
+    let (c0, h0) = (p.counts(), p.cache_hits());
+    let (mut a, mut f, mut pair) = (Vec::new(), Vec::new(), Vec::new());
+    let mut with_map = 0;
+    for _ in 0..n {
+        p.prepare()?;
+        let k0 = p.counts();
+        let t0 = Instant::now();
+        let x = p.alloc(size)?;
+        let ta = us_since(t0);
+        let k1 = p.counts();
+        let t1 = Instant::now();
+        p.free(x)?;
+        let tf = us_since(t1);
+        if let (Some(k0), Some(k1)) = (k0, k1) {
+            if map_calls(&k1.since(&k0)) > 0 {
+                with_map += 1;
+            }
+        }
+        a.push(ta);
+        f.push(tf);
+        pair.push(ta + tf);
+    }
+    let (c1, h1) = (p.counts(), p.cache_hits());
+    Ok(Row {
+        path: kind,
+        label: kind.label(),
+        size,
+        alloc_us: Summary::of(&a),
+        free_us: Summary::of(&f),
+        pair_us: Summary::of(&pair),
+        cache_hits: h1.zip(h0).map(|(b, a)| b - a),
+        mallocs_with_map_calls: c0.as_ref().map(|_| with_map),
+        driver_calls: c1.zip(c0).map(|(b, a)| call_delta(&b, &a)),
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct KernelRow {
+    path: PathKind,
+    label: &'static str,
+    size: u64,
+    /// Alloc and free times of each trial, each made while the 50 ms kernel ran.
+    alloc_us: Vec<f64>,
+    free_us: Vec<f64>,
+    /// How long the kernel ran, by events, in each trial.
+    kernel_ms: Vec<f64>,
+    /// Whether any alloc or free took over 10 ms (waited for the kernel).
+    waited: bool,
+}
+
+/// The 50 ms kernel on its own non-blocking stream, and one alloc and free made while it runs.
+fn during_kernel(
+    gpu: &Gpu,
+    spin: &moonbright_bench::cu::Function,
+    kind: PathKind,
+    size: u64,
+    trials: usize,
+) -> Res<KernelRow> {
+    let ks = Stream::new(true)?;
+    let (e0, e1) =
+        (moonbright_bench::cu::Event::new(true)?, moonbright_bench::cu::Event::new(true)?);
+    let mut p = kind.make(gpu, size)?;
+    // Warm the path (for the cache-hit path, the size is then cached).
+    p.prepare()?;
+    let x = p.alloc(size)?;
+    p.free(x)?;
+    let mut row = KernelRow {
+        path: kind,
+        label: kind.label(),
+        size,
+        alloc_us: vec![],
+        free_us: vec![],
+        kernel_ms: vec![],
+        waited: false,
+    };
+    for _ in 0..trials {
+        p.prepare()?;
+        e0.record(&ks)?;
+        // SAFETY: spin(u64 ns, u64* sink) with a null sink, which it never writes through.
+        unsafe { spin.launch(1, 1, &ks, &[Arg::U64(50_000_000), Arg::U64(0)])? };
+        e1.record(&ks)?;
+        std::thread::sleep(Duration::from_millis(2)); // the kernel is surely running now
+        let t0 = Instant::now();
+        let x = p.alloc(size)?;
+        let ta = us_since(t0);
+        let t1 = Instant::now();
+        p.free(x)?;
+        let tf = us_since(t1);
+        ks.sync()?;
+        row.kernel_ms.push(e0.elapsed_ms(&e1)? as f64);
+        row.waited |= ta > 10_000.0 || tf > 10_000.0;
+        row.alloc_us.push(ta);
+        row.free_us.push(tf);
+    }
+    Ok(row)
+}
+
+#[derive(Debug, Serialize)]
+struct ChunkRow {
+    size: u64,
+    max_chunk_bytes: u64,
+    reps: usize,
+    alloc_us: Summary,
+    free_us: Summary,
+    /// `release_unused` after the free: the unmap and the release of the range's chunks.
+    release_us: Summary,
+    /// Calls per GiB allocated, averaged over the repetitions.
+    per_gib: BTreeMap<String, f64>,
+}
+
+/// Set-access and unmap calls per GiB, and time, for 64 MiB chunks against 2 MiB pages.
+fn chunks(size: u64, max_chunk: u64, quick: bool) -> Res<ChunkRow> {
+    let n = if quick {
+        2
+    } else if size > GIB {
+        3
+    } else {
+        5
+    };
+    let mut mb = Mb::with_options(MbMode::Cold, size, mb_options(None, max_chunk, (0, 0), false))?;
+    let (mut a, mut f, mut r) = (vec![], vec![], vec![]);
+    let mut total = moonbright::driver::CallCounts::default();
+    for i in 0..=n {
+        mb.prepare()?;
+        let c0 = mb.inner.driver().counts();
+        let t0 = Instant::now();
+        let x = mb.alloc(size)?;
+        let ta = us_since(t0);
+        let t1 = Instant::now();
+        mb.free(x)?;
+        let tf = us_since(t1);
+        let t2 = Instant::now();
+        mb.prepare()?; // sync + release_unused: unmap and release
+        let tr = us_since(t2);
+        if i == 0 {
+            continue; // warm-up
+        }
+        let d = mb.inner.driver().counts().since(&c0);
+        for k in CallKind::ALL {
+            total.0[k as usize] += d.get(k);
+        }
+        a.push(ta);
+        f.push(tf);
+        r.push(tr);
+    }
+    let gib = (size as f64 / GIB as f64) * n as f64;
+    let per_gib = total
+        .iter()
+        .filter(|(_, c)| *c > 0)
+        .map(|(k, c)| (k.key().to_string(), c as f64 / gib))
+        .collect();
+    Ok(ChunkRow {
+        size,
+        max_chunk_bytes: max_chunk,
+        reps: n,
+        alloc_us: Summary::of(&a),
+        free_us: Summary::of(&f),
+        release_us: Summary::of(&r),
+        per_gib,
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct Target {
+    what: String,
+    value: f64,
+    target: String,
+    met: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    gpu: String,
+    driver_version: i32,
+    total_memory: u64,
+    rows: Vec<Row>,
+    during_kernel: Vec<KernelRow>,
+    chunks: Vec<ChunkRow>,
+    targets: Vec<Target>,
+}
+
+fn find(rows: &[Row], k: PathKind, size: u64) -> Option<&Row> {
+    rows.iter().find(|r| r.path == k && r.size == size)
+}
+
+fn targets(rows: &[Row], kernel: &[KernelRow]) -> Vec<Target> {
+    let mut t = vec![];
+    for &size in &SIZES {
+        let Some(asy) = find(rows, PathKind::CuMemAllocAsync, size) else { continue };
+        for k in [PathKind::MbCache, PathKind::MbWindow] {
+            if let Some(r) = find(rows, k, size) {
+                let v = r.pair_us.p50 / asy.pair_us.p50;
+                t.push(Target {
+                    what: format!("{} {} pair p50 / warm async pair p50", k.label(), human(size)),
+                    value: v,
+                    target: "<= 1".into(),
+                    met: v <= 1.0,
+                });
+            }
+        }
+    }
+    if let (Some(w), Some(c)) =
+        (find(rows, PathKind::MbWindow, GIB), find(rows, PathKind::CuMemAlloc, GIB))
+    {
+        let v = c.alloc_us.p50 / w.alloc_us.p50;
+        t.push(Target {
+            what: "cuMemAlloc 1 GiB alloc p50 / MoonBright window-hit (fresh) 1 GiB alloc p50"
+                .into(),
+            value: v,
+            target: ">= 10".into(),
+            met: v >= 10.0,
+        });
+    }
+    for &size in &SIZES {
+        if let (Some(c), Some(r)) =
+            (find(rows, PathKind::MbCold, size), find(rows, PathKind::RawVmm, size))
+        {
+            let v = c.alloc_us.p50 / r.alloc_us.p50;
+            t.push(Target {
+                what: format!(
+                    "MoonBright cold map {} alloc p50 / raw VMM (one handle)",
+                    human(size)
+                ),
+                value: v,
+                target: "<= 1".into(),
+                met: v <= 1.0,
+            });
+        }
+    }
+    let mb_kernel_max = kernel
+        .iter()
+        .filter(|k| matches!(k.path, PathKind::MbCache | PathKind::MbWindow | PathKind::MbCold))
+        .flat_map(|k| k.alloc_us.iter().chain(&k.free_us))
+        .fold(0f64, |m, &x| m.max(x));
+    if !kernel.is_empty() {
+        t.push(Target {
+            what: "slowest MoonBright alloc or free during the 50 ms kernel (us)".into(),
+            value: mb_kernel_max,
+            target: "< 10000 (no wait)".into(),
+            met: mb_kernel_max < 10_000.0,
+        });
+    }
+    t
+}
+
+fn fmt_ratio(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}x")
+    } else {
+        "-".into()
+    }
+}
+
+fn print_rows(rows: &[Row]) {
+    println!(
+        "{:>7}  {:<24} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}  {:>5} {:>6}",
+        "size",
+        "path",
+        "alloc p50",
+        "alloc p99",
+        "free p50",
+        "free p99",
+        "pair p50",
+        "pair p99",
+        "/async",
+        "/cuMemAl",
+        "hits",
+        "mapped"
+    );
+    for r in rows {
+        let asy = find(rows, PathKind::CuMemAllocAsync, r.size).map(|a| a.pair_us.p50);
+        let cm = find(rows, PathKind::CuMemAlloc, r.size).map(|a| a.pair_us.p50);
+        println!(
+            "{:>7}  {:<24} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>9}  {:>5} {:>6}",
+            human(r.size),
+            r.label,
+            r.alloc_us.p50,
+            r.alloc_us.p99,
+            r.free_us.p50,
+            r.free_us.p99,
+            r.pair_us.p50,
+            r.pair_us.p99,
+            fmt_ratio(r.pair_us.p50 / asy.unwrap_or(f64::NAN)),
+            fmt_ratio(r.pair_us.p50 / cm.unwrap_or(f64::NAN)),
+            r.cache_hits.map_or("-".into(), |h| h.to_string()),
+            r.mallocs_with_map_calls.map_or("-".into(), |h| h.to_string()),
+        );
+    }
+    println!("(us, host wall clock; /async and /cuMemAl: pair p50 over that path's pair p50;");
+    println!(" hits: MoonBright cache hits in the timed reps; mapped: timed mallocs that made a");
+    println!(" create/map/set-access call, background workers' calls in that window included)");
+}
+
+fn run() -> Res<()> {
+    let args = Args::parse();
+    let gpu = Gpu::open()?;
+    println!(
+        "latency: {} ({} GiB), driver {}",
+        gpu.name,
+        gpu.total_memory / GIB,
+        gpu.driver_version
+    );
+    let mut rows = vec![];
+    for &size in &SIZES {
+        for &k in &PATHS {
+            if !k.applies(size) {
+                continue;
+            }
+            let t = Instant::now();
+            let row = measure(&gpu, k, size, args.quick)
+                .map_err(|e| format!("{} at {}: {e}", k.label(), human(size)))?;
+            eprintln!(
+                "  {:>7} {:<24} pair p50 {:>10.2} us  ({:.1} s)",
+                human(size),
+                k.label(),
+                row.pair_us.p50,
+                t.elapsed().as_secs_f64()
+            );
+            rows.push(row);
+        }
+    }
+    println!("\n== alloc+free latency");
+    print_rows(&rows);
+
+    let mut kernel = vec![];
+    if !args.no_kernel {
+        let module = Module::compile(&gpu, kernels::SOURCE)?;
+        let spin = module.function("spin")?;
+        let kpaths = [
+            PathKind::MbCache,
+            PathKind::MbWindow,
+            PathKind::MbCold,
+            PathKind::CuMemAlloc,
+            PathKind::CuMemAllocAsync,
+            PathKind::RawVmm,
+        ];
+        for &size in &SIZES {
+            for &k in &kpaths {
+                if k.applies(size) {
+                    kernel.push(
+                        during_kernel(&gpu, &spin, k, size, args.kernel_trials)
+                            .map_err(|e| format!("{} during kernel: {e}", k.label()))?,
+                    );
+                }
+            }
+        }
+        println!("\n== while a 50 ms kernel runs on another stream (us, each trial)");
+        println!("{:>7}  {:<24} {:>12} {:>12}  waited", "size", "path", "alloc max", "free max");
+        for r in &kernel {
+            let mx = |v: &[f64]| v.iter().fold(0f64, |m, &x| m.max(x));
+            println!(
+                "{:>7}  {:<24} {:>12.1} {:>12.1}  {}",
+                human(r.size),
+                r.label,
+                mx(&r.alloc_us),
+                mx(&r.free_us),
+                if r.waited { "YES" } else { "no" }
+            );
+        }
+    }
+
+    let mut chunk_rows = vec![];
+    if !args.no_chunks {
+        for size in [GIB, 8 * GIB] {
+            for mc in [64 * MIB, 2 * MIB] {
+                chunk_rows.push(chunks(size, mc, args.quick)?);
+            }
+        }
+        println!("\n== with and without large chunks (cold map, per GiB allocated; us)");
+        println!(
+            "{:>6} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>12}",
+            "size", "chunks", "create", "map", "setacc", "alloc p50", "free p50", "unmap+rel p50"
+        );
+        for c in &chunk_rows {
+            let g = |k: &str| c.per_gib.get(k).copied().unwrap_or(0.0);
+            println!(
+                "{:>6} {:>9} {:>8.1} {:>8.1} {:>8.1} {:>10.0} {:>10.1} {:>12.0}   unmap calls/GiB {:.1}",
+                human(c.size),
+                human(c.max_chunk_bytes),
+                g("create"),
+                g("map"),
+                g("set_access"),
+                c.alloc_us.p50,
+                c.free_us.p50,
+                c.release_us.p50,
+                g("unmap")
+            );
+        }
+        println!(
+            "(one cuMemUnmap / cuMemSetAccess call may span many handles; its cost grows with"
+        );
+        println!(" the handles, i.e. with the map calls)");
+    }
+
+    let targets = targets(&rows, &kernel);
+    println!("\n== targets");
+    for t in &targets {
+        println!(
+            "  [{}] {}: {:.3} (target {})",
+            if t.met { "met" } else { "MISSED" },
+            t.what,
+            t.value,
+            t.target
+        );
+    }
+    if let Some(path) = &args.json {
+        let report = Report {
+            gpu: gpu.name.clone(),
+            driver_version: gpu.driver_version,
+            total_memory: gpu.total_memory,
+            rows,
+            during_kernel: kernel,
+            chunks: chunk_rows,
+            targets,
+        };
+        moonbright_bench::write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    main_wrapper("latency", run)
+}

@@ -1,0 +1,270 @@
+//! The fragmentation stress (issue 3, item 7): 20,000 operations, sizes log-uniform from 1 KiB to
+//! 512 MiB, random lifetimes, about 60 GiB live, fixed seed. Reports peak reserved over peak
+//! allocated, alloc p50/p99 and operations per second for MoonBright and the no-remap baseline,
+//! and writes the operation sequence as CSV for bench/torch_stress.py.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use moonbright::baseline::NoRemapAllocator;
+use moonbright::Allocator;
+use moonbright_bench::cu::{Gpu, Stream};
+use moonbright_bench::stats::{us_since, Summary};
+use moonbright_bench::workload::{stress_ops, to_csv, Op, StressSpec};
+use moonbright_bench::{main_wrapper, mb_options, Res, GIB, KIB, MIB};
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(about = "Fragmentation stress: MoonBright and the no-remap baseline")]
+struct Args {
+    #[arg(long, default_value_t = 20_261_129)]
+    seed: u64,
+    #[arg(long, default_value_t = 20_000)]
+    ops: usize,
+    /// Live bytes the sequence hovers around, in GiB.
+    #[arg(long, default_value_t = 60)]
+    live_gib: u64,
+    /// Write the operation sequence as CSV (op,id,size) and exit unless --run is given too.
+    #[arg(long)]
+    dump_ops: Option<PathBuf>,
+    /// With --dump-ops: also run the allocators.
+    #[arg(long)]
+    run: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Skip the no-remap baseline.
+    #[arg(long)]
+    no_baseline: bool,
+}
+
+trait Replay {
+    fn alloc(&mut self, size: u64) -> Res<u64>;
+    fn free(&mut self, ptr: u64) -> Res<()>;
+    /// (peak reserved, peak allocated) as the allocator counts them.
+    fn peaks(&self) -> (u64, u64);
+}
+
+struct Mb {
+    a: Allocator,
+    s: Stream,
+}
+
+impl Replay for Mb {
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        self.a.malloc_async(size as usize, self.s.handle()).map_err(|e| e.to_string())
+    }
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        self.a.free_async(ptr, self.s.handle()).map_err(|e| e.to_string())
+    }
+    fn peaks(&self) -> (u64, u64) {
+        let s = self.a.stats();
+        (s.reserved_bytes.peak, s.allocated_bytes.peak)
+    }
+}
+
+struct Base(NoRemapAllocator);
+
+impl Replay for Base {
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        self.0.malloc(size as usize).map_err(|e| e.to_string())
+    }
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        self.0.free(ptr).map_err(|e| e.to_string())
+    }
+    fn peaks(&self) -> (u64, u64) {
+        (self.0.reserved_bytes().1, self.0.allocated_bytes().1)
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Outcome {
+    allocator: String,
+    ops: usize,
+    seconds: f64,
+    ops_per_s: f64,
+    peak_requested: u64,
+    peak_reserved: u64,
+    peak_allocated: u64,
+    reserved_over_requested: f64,
+    reserved_over_allocated: f64,
+    alloc_us: Summary,
+    alloc_ge_64mib_us: Summary,
+    free_us: Summary,
+    ooms: usize,
+    first_oom: Option<String>,
+}
+
+fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Res<Outcome> {
+    let mut live: HashMap<u32, u64> = HashMap::new();
+    let (mut a, mut big, mut f) = (vec![], vec![], vec![]);
+    let (mut ooms, mut first_oom) = (0, None);
+    let start = Instant::now();
+    for op in ops {
+        match *op {
+            Op::Alloc { id, size } => {
+                let t = Instant::now();
+                match r.alloc(size) {
+                    Ok(p) => {
+                        let us = us_since(t);
+                        a.push(us);
+                        if size >= 64 * MIB {
+                            big.push(us);
+                        }
+                        live.insert(id, p);
+                    }
+                    Err(e) => {
+                        ooms += 1;
+                        first_oom.get_or_insert(format!("alloc {size} B: {e}"));
+                    }
+                }
+            }
+            Op::Free { id, .. } => {
+                if let Some(p) = live.remove(&id) {
+                    let t = Instant::now();
+                    r.free(p)?;
+                    f.push(us_since(t));
+                }
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    for (_, p) in live.drain() {
+        r.free(p)?;
+    }
+    let (res, alloc) = r.peaks();
+    Ok(Outcome {
+        allocator: name.into(),
+        ops: ops.len(),
+        seconds,
+        ops_per_s: ops.len() as f64 / seconds,
+        peak_requested,
+        peak_reserved: res,
+        peak_allocated: alloc,
+        reserved_over_requested: res as f64 / peak_requested as f64,
+        reserved_over_allocated: res as f64 / alloc.max(1) as f64,
+        alloc_us: Summary::of(&a),
+        alloc_ge_64mib_us: Summary::of(&big),
+        free_us: Summary::of(&f),
+        ooms,
+        first_oom,
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    gpu: String,
+    spec: StressSpec,
+    outcomes: Vec<Outcome>,
+}
+
+fn run() -> Res<()> {
+    let args = Args::parse();
+    let spec = StressSpec {
+        seed: args.seed,
+        ops: args.ops,
+        min: KIB,
+        max: 512 * MIB,
+        live_target: args.live_gib * GIB,
+    };
+    let (ops, peak_requested) = stress_ops(&spec);
+    if let Some(path) = &args.dump_ops {
+        std::fs::write(path, to_csv(&ops))
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        println!(
+            "stress: wrote {} operations (seed {}, peak requested {:.2} GiB) to {}",
+            ops.len(),
+            spec.seed,
+            peak_requested as f64 / GIB as f64,
+            path.display()
+        );
+        if !args.run {
+            return Ok(());
+        }
+    }
+    let gpu = Gpu::open()?;
+    let mut outcomes = vec![];
+    {
+        let a =
+            Allocator::new(mb_options(None, 64 * MIB, moonbright_bench::default_window(), true))
+                .map_err(|e| format!("MoonBright: {e}"))?;
+        let mut mb = Mb { a, s: Stream::new(true)? };
+        outcomes.push(replay("MoonBright", &mut mb, &ops, peak_requested)?);
+        mb.s.sync()?;
+    }
+    {
+        let a = Allocator::new(mb_options(None, 64 * MIB, (0, 0), true))
+            .map_err(|e| format!("MoonBright: {e}"))?;
+        let mut mb = Mb { a, s: Stream::new(true)? };
+        outcomes.push(replay("MoonBright (no window)", &mut mb, &ops, peak_requested)?);
+        mb.s.sync()?;
+    }
+    if !args.no_baseline {
+        let opts = mb_options(None, 64 * MIB, (0, 0), false);
+        let b = NoRemapAllocator::new(&opts, 20 * MIB).map_err(|e| format!("baseline: {e}"))?;
+        outcomes.push(replay(
+            "no-remap baseline (20 MiB segments)",
+            &mut Base(b),
+            &ops,
+            peak_requested,
+        )?);
+    }
+    println!(
+        "stress on {}: {} ops, seed {}, sizes 1 KiB..512 MiB log-uniform, peak requested {:.2} GiB",
+        gpu.name,
+        ops.len(),
+        spec.seed,
+        peak_requested as f64 / GIB as f64
+    );
+    println!(
+        "{:<38} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9} {:>10} {:>9} {:>5}",
+        "allocator",
+        "res GiB",
+        "res/req",
+        "res/alc",
+        "alloc50",
+        "alloc99",
+        ">=64M p99",
+        "free p99",
+        "ops/s",
+        "OOMs"
+    );
+    for o in &outcomes {
+        println!(
+            "{:<38} {:>9.2} {:>9.3} {:>8.3} {:>8.2} {:>9.1} {:>9.1} {:>10.1} {:>9.0} {:>5}",
+            o.allocator,
+            o.peak_reserved as f64 / GIB as f64,
+            o.reserved_over_requested,
+            o.reserved_over_allocated,
+            o.alloc_us.p50,
+            o.alloc_us.p99,
+            o.alloc_ge_64mib_us.p99,
+            o.free_us.p99,
+            o.ops_per_s,
+            o.ooms
+        );
+        if let Some(e) = &o.first_oom {
+            println!("    first failure: {e}");
+        }
+    }
+    println!("(res/req: peak reserved over the sequence's peak requested bytes; res/alc: over the");
+    println!(" allocator's own peak allocated; times in us; target: MoonBright res/alc <= 1.05,");
+    println!(" alloc p99 <= PyTorch default's)");
+    if let Some(path) = &args.json {
+        let report = Report {
+            gpu: gpu.name.clone(),
+            spec,
+            outcomes,
+        };
+        moonbright_bench::write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    main_wrapper("stress", run)
+}

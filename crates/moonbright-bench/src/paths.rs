@@ -1,0 +1,295 @@
+//! The allocation paths the latency benchmark compares, each behind one trait: MoonBright (cache
+//! hit, window hit, cold map), cuMemAlloc/cuMemFree, cuMemAllocAsync/cuMemFreeAsync on a warm
+//! default pool, and raw VMM (one handle, or 2 MiB pages).
+
+use std::ptr;
+use std::time::Duration;
+
+use cudarc::driver::sys;
+use moonbright::driver::CallCounts;
+use moonbright::Allocator;
+
+use crate::cu::{ck, Gpu, Stream};
+use crate::{mb_options, Res, GIB, MIB};
+
+/// One way of allocating and freeing device memory.
+pub trait AllocPath {
+    /// Untimed work before each repetition (let the mapper refill, release the cache, ...).
+    fn prepare(&mut self) -> Res<()> {
+        Ok(())
+    }
+    /// Allocates (about) `size` bytes; the window path varies the page count per call.
+    fn alloc(&mut self, size: u64) -> Res<u64>;
+    /// Frees what `alloc` returned.
+    fn free(&mut self, ptr: u64) -> Res<()>;
+    /// MoonBright's driver-call counters, if this is MoonBright.
+    fn counts(&self) -> Option<CallCounts> {
+        None
+    }
+    /// MoonBright's cache hits so far, if this is MoonBright.
+    fn cache_hits(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Which MoonBright path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MbMode {
+    /// The same size again and again: after the first, every request is a cache hit (an arena
+    /// carve below a page).
+    Cache,
+    /// A page count never requested before by this allocator (so the exact-size cache misses),
+    /// served from the window the background mapper keeps mapped at the frontier; `prepare`
+    /// waits for the mapper to refill the window.
+    Window,
+    /// No window, and `release_unused` before each repetition: every request creates and maps.
+    Cold,
+}
+
+/// MoonBright through `malloc_async` / `free_async` on one stream.
+pub struct Mb {
+    pub inner: Allocator,
+    stream: Stream,
+    mode: MbMode,
+    page: u64,
+    counter: u64,
+    refill: Duration,
+}
+
+/// The window kept for requests of `size`: room for two of them, at least 1 GiB.
+pub fn window_for(size: u64) -> u64 {
+    (2 * size).max(GIB)
+}
+
+impl Mb {
+    /// A fresh allocator for `mode` and requests of `size`.
+    pub fn new(mode: MbMode, size: u64) -> Res<Mb> {
+        let opts = match mode {
+            MbMode::Cache | MbMode::Window => {
+                mb_options(None, 64 * MIB, (window_for(size), window_for(size)), true)
+            }
+            MbMode::Cold => mb_options(None, 64 * MIB, (0, 0), false),
+        };
+        Mb::with_options(mode, size, opts)
+    }
+
+    /// A fresh allocator with explicit options.
+    pub fn with_options(mode: MbMode, size: u64, opts: moonbright::Options) -> Res<Mb> {
+        let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+        let page = alloc.page_size() as u64;
+        // Time for the mapper to map a window's worth: ~40 µs per 64 MiB handle plus creation.
+        let refill = Duration::from_micros(500 + window_for(size) / (64 * MIB) * 150);
+        Ok(Mb { inner: alloc, stream: Stream::new(true)?, mode, page, counter: 0, refill })
+    }
+}
+
+impl AllocPath for Mb {
+    fn prepare(&mut self) -> Res<()> {
+        match self.mode {
+            MbMode::Cache => Ok(()),
+            MbMode::Window => {
+                std::thread::sleep(self.refill);
+                Ok(())
+            }
+            MbMode::Cold => {
+                self.stream.sync()?;
+                self.inner.release_unused().map_err(|e| format!("release_unused: {e}"))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        let size = if self.mode == MbMode::Window && size >= self.page {
+            self.counter += 1;
+            size + self.counter * self.page
+        } else {
+            size
+        };
+        self.inner
+            .malloc_async(size as usize, self.stream.handle())
+            .map_err(|e| format!("malloc_async({size}): {e}"))
+    }
+
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        self.inner.free_async(ptr, self.stream.handle()).map_err(|e| format!("free_async: {e}"))
+    }
+
+    fn counts(&self) -> Option<CallCounts> {
+        Some(self.inner.driver().counts())
+    }
+
+    fn cache_hits(&self) -> Option<u64> {
+        Some(self.inner.stats().cache_hits)
+    }
+}
+
+impl Drop for Mb {
+    fn drop(&mut self) {
+        let _ = self.stream.sync();
+    }
+}
+
+/// `cuMemAlloc_v2` / `cuMemFree_v2` (what cudaMalloc / cudaFree call).
+pub struct CuMalloc;
+
+impl AllocPath for CuMalloc {
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        crate::cu::mem_alloc(size as usize)
+    }
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        crate::cu::mem_free(ptr)
+    }
+}
+
+/// `cuMemAllocAsync` / `cuMemFreeAsync` on a stream, from the device's default pool with its
+/// release threshold at `u64::MAX` (a warm pool: what cudaMallocAsync gives).
+pub struct CuAsync {
+    stream: Stream,
+}
+
+impl CuAsync {
+    pub fn new(gpu: &Gpu) -> Res<CuAsync> {
+        let mut pool: sys::CUmemoryPool = ptr::null_mut();
+        // SAFETY: valid out-pointer; the device is valid.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.device) };
+        ck(r, "cuDeviceGetDefaultMemPool")?;
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t.
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+        ck(r, "cuMemPoolSetAttribute(RELEASE_THRESHOLD, u64::MAX)")?;
+        Ok(CuAsync { stream: Stream::new(true)? })
+    }
+}
+
+impl AllocPath for CuAsync {
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; the stream is live.
+        let r = unsafe { sys::cuMemAllocAsync(&mut p, size as usize, self.stream.0) };
+        ck(r, &format!("cuMemAllocAsync({size})"))?;
+        Ok(p)
+    }
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        // SAFETY: `ptr` came from cuMemAllocAsync; the stream is live.
+        ck(unsafe { sys::cuMemFreeAsync(ptr, self.stream.0) }, "cuMemFreeAsync")
+    }
+}
+
+impl Drop for CuAsync {
+    fn drop(&mut self) {
+        let _ = self.stream.sync();
+    }
+}
+
+/// The raw VMM calls: `cuMemCreate` (one handle, or one per page), `cuMemAddressReserve`,
+/// `cuMemMap` each handle, one `cuMemSetAccess` over the range; the free is one `cuMemUnmap`
+/// over the range, `cuMemAddressFree` and `cuMemRelease` of each handle.
+pub struct RawVmm {
+    gpu_prop: sys::CUmemAllocationProp,
+    access: sys::CUmemAccessDesc,
+    page: u64,
+    per_page: bool,
+    live: Vec<(u64, u64, Vec<u64>)>,
+}
+
+impl RawVmm {
+    pub fn new(gpu: &Gpu, per_page: bool) -> Res<RawVmm> {
+        Ok(RawVmm {
+            gpu_prop: gpu.alloc_prop(),
+            access: sys::CUmemAccessDesc {
+                location: gpu.location(),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            },
+            page: gpu.granularity()? as u64,
+            per_page,
+            live: Vec::new(),
+        })
+    }
+
+    fn unwind(&self, va: u64, len: u64, mapped: u64, handles: &[u64]) {
+        // SAFETY: best-effort cleanup of what this call made: the mapped prefix, the
+        // reservation and the handles, each exactly once.
+        unsafe {
+            if mapped > 0 {
+                let _ = sys::cuMemUnmap(va, mapped as usize);
+            }
+            if va != 0 {
+                let _ = sys::cuMemAddressFree(va, len as usize);
+            }
+            for &h in handles {
+                let _ = sys::cuMemRelease(h);
+            }
+        }
+    }
+}
+
+impl AllocPath for RawVmm {
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        let len = size.next_multiple_of(self.page);
+        let (n, hsize) = if self.per_page { (len / self.page, self.page) } else { (1, len) };
+        let mut handles = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let mut h = 0;
+            // SAFETY: valid out-pointer and a fully initialised property struct.
+            let r = unsafe { sys::cuMemCreate(&mut h, hsize as usize, &self.gpu_prop, 0) };
+            if let Err(e) = ck(r, &format!("cuMemCreate({hsize})")) {
+                self.unwind(0, 0, 0, &handles);
+                return Err(e);
+            }
+            handles.push(h);
+        }
+        let mut va = 0;
+        // SAFETY: valid out-pointer.
+        let r = unsafe { sys::cuMemAddressReserve(&mut va, len as usize, 0, 0, 0) };
+        if let Err(e) = ck(r, &format!("cuMemAddressReserve({len})")) {
+            self.unwind(0, 0, 0, &handles);
+            return Err(e);
+        }
+        for (i, &h) in handles.iter().enumerate() {
+            let at = va + i as u64 * hsize;
+            // SAFETY: `at` lies in the reservation just made; `h` is a handle of `hsize` bytes.
+            let r = unsafe { sys::cuMemMap(at, hsize as usize, 0, h, 0) };
+            if let Err(e) = ck(r, "cuMemMap") {
+                self.unwind(va, len, i as u64 * hsize, &handles);
+                return Err(e);
+            }
+        }
+        // SAFETY: the range is fully mapped; one descriptor.
+        let r = unsafe { sys::cuMemSetAccess(va, len as usize, &self.access, 1) };
+        if let Err(e) = ck(r, "cuMemSetAccess") {
+            self.unwind(va, len, len, &handles);
+            return Err(e);
+        }
+        self.live.push((va, len, handles));
+        Ok(va)
+    }
+
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        let i = self.live.iter().position(|l| l.0 == ptr).ok_or("raw VMM: unknown pointer")?;
+        let (va, len, handles) = self.live.swap_remove(i);
+        // SAFETY: the range is mapped by this path and no work uses it.
+        ck(unsafe { sys::cuMemUnmap(va, len as usize) }, "cuMemUnmap")?;
+        // SAFETY: the reservation was made by `alloc` and is now unmapped.
+        ck(unsafe { sys::cuMemAddressFree(va, len as usize) }, "cuMemAddressFree")?;
+        for h in handles {
+            // SAFETY: each handle was created by `alloc` and is released once.
+            ck(unsafe { sys::cuMemRelease(h) }, "cuMemRelease")?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RawVmm {
+    fn drop(&mut self) {
+        for (va, len, handles) in std::mem::take(&mut self.live) {
+            self.unwind(va, len, len, &handles);
+        }
+    }
+}
