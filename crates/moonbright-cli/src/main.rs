@@ -45,6 +45,9 @@ pub(crate) struct ReplayArgs {
     /// Check every allocator invariant after every operation (slow).
     #[arg(long)]
     pub validate: bool,
+    /// More options, as in MOONBRIGHT_ALLOC_CONF (`key:value,...`, e.g. `background:false`).
+    #[arg(long, default_value = "")]
+    pub conf: String,
 }
 
 #[derive(Subcommand)]

@@ -161,7 +161,7 @@ fn options(args: &ReplayArgs, recorded: &RecordedFigures) -> Result<Options, Str
             o.host_capacity = o.host_capacity.max(cap.next_multiple_of(o.host_page_size as u64));
         }
     }
-    Ok(o)
+    moonbright::conf::parse_conf_over(o, &args.conf).map_err(|e| e.to_string())
 }
 
 /// Loads `path` and replays it. `series_points` > 0 keeps series for a plot.

@@ -28,6 +28,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("max_chunk", "bytes: a power of two of at most 64GiB"),
     ("unmap_batch", "retired ranges that trigger an unmap batch, 1 or more"),
     ("unmap_batch_bytes", "retired bytes that trigger an unmap batch"),
+    ("unmap_batch_age_us", "microseconds after which retired ranges are unmapped anyway"),
+    ("background", "true or false: the background worker (events, unmap batches, window)"),
+    ("prefetch_window_min", "bytes the background mapper keeps mapped at least"),
+    ("prefetch_window_max", "bytes the background mapper keeps mapped at most; 0 turns it off"),
     ("validate", "true or false"),
 ];
 
@@ -148,6 +152,10 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.unmap_batch_bytes = b;
         }
+        "unmap_batch_age_us" => opts.unmap_batch_age_us = v.parse().map_err(|_| bad(name, v))?,
+        "background" => opts.background = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "prefetch_window_min" => opts.prefetch_window_min = bytes()?,
+        "prefetch_window_max" => opts.prefetch_window_max = bytes()?,
         "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
         _ => unreachable!("every key in KEYS is handled"),
     }

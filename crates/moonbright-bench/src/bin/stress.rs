@@ -254,11 +254,7 @@ fn run() -> Res<()> {
     println!(" allocator's own peak allocated; times in us; target: MoonBright res/alc <= 1.05,");
     println!(" alloc p99 <= PyTorch default's)");
     if let Some(path) = &args.json {
-        let report = Report {
-            gpu: gpu.name.clone(),
-            spec,
-            outcomes,
-        };
+        let report = Report { gpu: gpu.name.clone(), spec, outcomes };
         moonbright_bench::write_json(path, &report)?;
         println!("wrote {}", path.display());
     }

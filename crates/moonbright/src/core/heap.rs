@@ -3,7 +3,7 @@
 //! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
 //! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
 use super::mapping::{Executed, MapPlan};
@@ -125,8 +125,12 @@ pub(crate) struct Heap {
     cached_pages: u64,
     next_seq: u64,
     live: HashMap<u64, Live>,
-    recent_frees: VecDeque<u64>,
-    recent_free_set: HashSet<u64>,
+    /// Recently freed pointers, to tell a double free from an unknown pointer: pointer -> the
+    /// generation of its last free, and the frees in order (stale entries are skipped when
+    /// they reach the front), so both remembering and forgetting cost O(1).
+    recent_frees: VecDeque<(u64, u64)>,
+    recent_free_gen: HashMap<u64, u64>,
+    free_generation: u64,
     /// Chunks claimed by plans in flight (neither bare nor in a range), by plan.
     inflight: HashMap<u64, Vec<ChunkId>>,
     /// Addresses claimed by plans in flight, by plan: (va, len).
@@ -163,7 +167,8 @@ impl Heap {
             next_seq: 0,
             live: HashMap::new(),
             recent_frees: VecDeque::new(),
-            recent_free_set: HashSet::new(),
+            recent_free_gen: HashMap::new(),
+            free_generation: 0,
             inflight: HashMap::new(),
             inflight_va: HashMap::new(),
             inflight_create_pages: 0,
@@ -339,9 +344,7 @@ impl Heap {
         self.stats.active_bytes.add(rounded);
         self.stats.rounding_waste_bytes.add(rounded - size);
         self.stats.allocations.add(1);
-        if self.recent_free_set.remove(&ptr) {
-            self.recent_frees.retain(|&p| p != ptr);
-        }
+        self.recent_free_gen.remove(&ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
         let prev = self.live.insert(ptr, Live { size, rounded, stream, backing });
         debug_assert!(prev.is_none(), "pointer handed out twice");
@@ -364,12 +367,15 @@ impl Heap {
         self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
         self.stats.allocations.sub(1);
         if self.recent_frees.len() == RECENT_FREES {
-            if let Some(old) = self.recent_frees.pop_front() {
-                self.recent_free_set.remove(&old);
+            if let Some((old, generation)) = self.recent_frees.pop_front() {
+                if self.recent_free_gen.get(&old) == Some(&generation) {
+                    self.recent_free_gen.remove(&old);
+                }
             }
         }
-        self.recent_frees.push_back(ptr);
-        self.recent_free_set.insert(ptr);
+        self.free_generation += 1;
+        self.recent_frees.push_back((ptr, self.free_generation));
+        self.recent_free_gen.insert(ptr, self.free_generation);
         Ok(live)
     }
 
@@ -490,7 +496,7 @@ impl Heap {
                 }
             }
         }
-        if self.recent_free_set.contains(&ptr) {
+        if self.recent_free_gen.contains_key(&ptr) {
             Error::DoubleFree { ptr }
         } else {
             Error::UnknownPointer { ptr }
@@ -503,6 +509,11 @@ impl Heap {
     fn headroom(&self) -> u64 {
         let held = self.pool.held_pages() + self.inflight_create_pages;
         (self.lim.cap / self.lim.page + self.inflight_release_pages).saturating_sub(held)
+    }
+
+    /// Held pages no allocation uses, outside the window: bare chunks and cached ranges.
+    pub fn free_held_pages(&self) -> u64 {
+        self.pool.bare_pages() + self.cached_pages
     }
 
     /// Pages free for a new range right now, wherever they are.
