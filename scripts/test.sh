@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test MoonBright has that runs without a GPU: formatting, lints, the workspace's unit,
-# conformance, fault-injection and C API tests, and the loom model checks. GPU tests skip with a
-# message here; scripts/gpu-check.sh runs them on a machine with a GPU.
+# conformance, stream, fault-injection, trace and C API tests, the loom model checks, and the
+# Python package's tests. GPU tests skip with a message here; scripts/gpu-check.sh runs them on a
+# machine with a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,3 +11,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --release
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
   cargo test -p moonbright --test loom --release
+
+# The Python package: build the abi3 wheel, install it into a private folder, run pytest.
+python3 -m maturin --version >/dev/null 2>&1 || python3 -m pip install -q maturin
+python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest
+rm -rf target/wheel target/pysite
+python3 -m maturin build --release --out target/wheel
+python3 -m pip install -q --no-deps --target target/pysite target/wheel/moonbright-*.whl
+PYTHONPATH=target/pysite python3 -m pytest -q python/tests

@@ -476,6 +476,8 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
     let n_traces = devices.iter().map(|(i, _)| i + 1).max().unwrap_or(0);
     let traces: Vec<Bound<'_, PyList>> = (0..n_traces).map(|_| PyList::empty(py)).collect();
     for (i, a) in &devices {
+        // Stream frees whose work has completed show as completed, not as still pending.
+        a.poll();
         for seg in a.segments() {
             let blocks = PyList::empty(py);
             let (mut allocated, mut requested) = (0u64, 0u64);

@@ -459,6 +459,11 @@ impl Heap {
         }
     }
 
+    /// Whether some plan holds claimed chunks or addresses while it runs.
+    pub fn has_inflight(&self) -> bool {
+        !self.inflight.is_empty()
+    }
+
     /// Whether frees on streams are still waiting for their events.
     pub fn has_pending_frees(&self) -> bool {
         self.streams.any_pending()

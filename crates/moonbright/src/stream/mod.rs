@@ -173,6 +173,12 @@ impl Shared {
                     }
                 }
                 Step::OutOfMemory(e) => {
+                    if self.heap().has_inflight() {
+                        // Pages are on their way into the window (or another request's plan
+                        // failed and is returning them): wait for them to land.
+                        std::thread::yield_now();
+                        continue;
+                    }
                     if !waited && self.heap().has_pending_frees() {
                         waited = true;
                         self.wait_for_pending_frees()?;
