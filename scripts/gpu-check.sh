@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# Runs the GPU checks on a machine with a GPU and no Rust toolchain, from binaries built
-# elsewhere with scripts/pack-gpu.sh into carry/bin. Writes logs under ${OUT:-gpu-out}.
+# The GPU checks, on a machine with a GPU and no Rust toolchain, from what scripts/pack-gpu.sh
+# put in carry/. Logs go under ${OUT:-gpu-out}/check and are packed into check.tgz.
+#   bash scripts/gpu-check.sh            # everything
+#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}
+out=${OUT:-gpu-out}/check
 mkdir -p "$out"
 bin=carry/bin
+groups=("$@")
+[ ${#groups[@]} -eq 0 ] && groups=(rust demo replay stress py)
+want() { local g; for g in "${groups[@]}"; do [ "$g" = "$1" ] && return 0; done; return 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 status=0
-run() { # name, command...
-  local name=$1; shift
-  echo "== $name"
-  if "$@" >"$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED"; status=1; fi
-  tail -n 3 "$out/$name.log"
+run() { # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then
+    echo "== $name: ok ($((SECONDS - t0)) s)"
+  else
+    echo "== $name: FAILED (status $?, $((SECONDS - t0)) s)"; status=1
+  fi
+  grep -E "test result|result:|MoonBright reserved|alloc latency|PASSED|passed|failed" "$out/$name.log" | tail -n 4 | sed 's/^/   /'
 }
-run unit-cuda "$bin/unit" driver::cuda --test-threads 1 --nocapture
-run conformance-cuda "$bin/conformance" cuda:: --test-threads 1 --nocapture
-run conformance-host "$bin/conformance" host::
-run demo-cuda "$bin/moonbright" demo --backend cuda --cap-mib 16384 --block-mib 64
-run demo-host "$bin/moonbright" demo --backend host
-cat "$out/demo-cuda.log"
+if want rust; then
+  run unit-cuda 120 "$bin/unit" driver::cuda --test-threads 1
+  run conformance-cuda 300 "$bin/conformance" cuda:: --test-threads 1
+fi
+if want demo; then
+  run demo-cuda 120 "$bin/moonbright" demo --backend cuda --cap-mib 16384 --block-mib 64
+fi
+if want replay; then
+  for t in llama gpt2 resnet; do
+    run "replay-$t" 200 "$bin/moonbright" replay --backend cuda "traces/trace_$t.csv.gz" \
+      --json "$out/replay-$t.json"
+  done
+fi
+if want stress; then
+  BIN=$bin OUT=$out bash bench/run-h200.sh gpu_stress sanitizer >"$out/bench-steps.log" 2>&1 \
+    || status=1
+  grep -E "^==|FAILED|PASSED" "$out/bench-steps.log" | head
+fi
+if want py; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
+  run python-gpu 400 env PYTHONPATH=/tmp/site python3 -m pytest -x -q python/tests/gpu
+fi
+tar czf "${OUT:-gpu-out}/check.tgz" -C "$out" .
 exit $status

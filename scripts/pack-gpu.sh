@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Builds the release test binaries and the command here and copies them into carry/bin (ignored
-# by git) for scripts/gpu-check.sh on a GPU machine without a Rust toolchain.
+# Builds everything the GPU machine (no Rust toolchain, no network) runs, and copies it into
+# carry/ (ignored by git): the release test binaries and the `moonbright` command (carry/bin),
+# the benchmark binaries (bench/pack.sh), and the abi3 wheel (carry/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p carry/bin
+mkdir -p carry/bin carry/wheel
 cargo build --release -p moonbright-cli
 cp target/release/moonbright carry/bin/
 cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json, shutil
-names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults"}
+names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:
         shutil.copy(m["executable"], "carry/bin/" + names[m["target"]["name"]])
 '
+bash bench/pack.sh >/dev/null
+rm -f carry/wheel/*.whl
+python3 -m maturin build --release --out carry/wheel >/dev/null
 strip carry/bin/* 2>/dev/null || true
-ls -la carry/bin
+du -sh carry; ls carry/bin carry/wheel

@@ -22,6 +22,9 @@ pub(crate) type RangeId = u32;
 /// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
 const RECENT_FREES: usize = 4096;
 
+/// A cached range up to 1/8 larger than a request serves it as it is (no driver call).
+const NEAR_FIT_DIVISOR: u64 = 8;
+
 /// Pages the window's address slabs are claimed in.
 const WINDOW_SLAB_PAGES: u64 = 512;
 
@@ -291,9 +294,14 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Ok(Some(id));
         }
-        if let Some(&(_, seq)) =
-            self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()
-        {
+        // The newest cached range of exactly this size; else the smallest up to an eighth larger
+        // (the extra pages stay with the allocation until it is freed, counted as rounding).
+        let exact = self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back();
+        let near = || {
+            let slack = pages / NEAR_FIT_DIVISOR;
+            self.cached_by_size.range((pages + 1, 0)..(pages + slack + 1, 0)).next()
+        };
+        if let Some(&(_, seq)) = exact.or_else(near) {
             self.stats.cache_hits += 1;
             return Ok(Some(self.uncache(seq)));
         }
