@@ -18,7 +18,7 @@ pub trait AllocPath {
     fn prepare(&mut self) -> Res<()> {
         Ok(())
     }
-    /// Allocates (about) `size` bytes; the window path varies the page count per call.
+    /// Allocates `size` bytes.
     fn alloc(&mut self, size: u64) -> Res<u64>;
     /// Frees what `alloc` returned.
     fn free(&mut self, ptr: u64) -> Res<()>;
@@ -38,9 +38,10 @@ pub enum MbMode {
     /// The same size again and again: after the first, every request is a cache hit (an arena
     /// carve below a page).
     Cache,
-    /// A page count never requested before by this allocator (so the exact-size cache misses),
-    /// served from the window the background mapper keeps mapped at the frontier; `prepare`
-    /// waits for the mapper to refill the window.
+    /// A fresh range each time: allocations stay live until the end (so no freed range is
+    /// cached to serve the next one), served from the window the background mapper keeps mapped
+    /// at the frontier; `prepare` waits (untimed) until the mapper has refilled the window. Its
+    /// free time is a no-op and not meaningful; its alloc time is.
     Window,
     /// No window, and `release_unused` before each repetition: every request creates and maps.
     Cold,
@@ -51,9 +52,11 @@ pub struct Mb {
     pub inner: Allocator,
     stream: Stream,
     mode: MbMode,
-    page: u64,
-    counter: u64,
     refill: Duration,
+    /// Bytes the next window-path request needs in the window.
+    next_window_size: u64,
+    /// Window path: allocations kept live until the end (see `free`).
+    held: Vec<u64>,
 }
 
 /// The window kept for requests of `size`: room for two of them, at least 1 GiB.
@@ -77,9 +80,16 @@ impl Mb {
     pub fn with_options(mode: MbMode, size: u64, opts: moonbright::Options) -> Res<Mb> {
         let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
         let page = alloc.page_size() as u64;
-        // Time for the mapper to map a window's worth: ~40 µs per 64 MiB handle plus creation.
-        let refill = Duration::from_micros(500 + window_for(size) / (64 * MIB) * 150);
-        Ok(Mb { inner: alloc, stream: Stream::new(true)?, mode, page, counter: 0, refill })
+        // The longest to wait for the mapper to refill: generous, about 100 µs per 2 MiB page.
+        let refill = Duration::from_micros(2_000_000 + window_for(size) / (2 * MIB) * 100);
+        Ok(Mb {
+            inner: alloc,
+            stream: Stream::new(true)?,
+            mode,
+            refill,
+            next_window_size: size.next_multiple_of(page),
+            held: Vec::new(),
+        })
     }
 }
 
@@ -88,7 +98,18 @@ impl AllocPath for Mb {
         match self.mode {
             MbMode::Cache => Ok(()),
             MbMode::Window => {
-                std::thread::sleep(self.refill);
+                // Wait (untimed) until the mapper has mapped room for the next request.
+                let need = self.next_window_size;
+                let t = std::time::Instant::now();
+                while self.inner.stats().window_bytes.current < need {
+                    if t.elapsed() > self.refill {
+                        return Err(format!(
+                            "the window did not reach {need} bytes within {:?}",
+                            self.refill
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
                 Ok(())
             }
             MbMode::Cold => {
@@ -100,18 +121,18 @@ impl AllocPath for Mb {
     }
 
     fn alloc(&mut self, size: u64) -> Res<u64> {
-        let size = if self.mode == MbMode::Window && size >= self.page {
-            self.counter += 1;
-            size + self.counter * self.page
-        } else {
-            size
-        };
         self.inner
             .malloc_async(size as usize, self.stream.handle())
             .map_err(|e| format!("malloc_async({size}): {e}"))
     }
 
     fn free(&mut self, ptr: u64) -> Res<()> {
+        if self.mode == MbMode::Window {
+            // Kept live until the end: a freed range would be cached and serve the next request
+            // as a cache hit, and the point here is a fresh range from the window each time.
+            self.held.push(ptr);
+            return Ok(());
+        }
         self.inner.free_async(ptr, self.stream.handle()).map_err(|e| format!("free_async: {e}"))
     }
 
@@ -127,6 +148,9 @@ impl AllocPath for Mb {
 impl Drop for Mb {
     fn drop(&mut self) {
         let _ = self.stream.sync();
+        for p in std::mem::take(&mut self.held) {
+            let _ = self.inner.free(p);
+        }
     }
 }
 

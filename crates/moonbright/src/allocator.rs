@@ -186,6 +186,7 @@ impl Allocator {
             unmap_batch_ranges: options.unmap_batch_ranges,
             unmap_batch_bytes: options.unmap_batch_bytes,
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
+            window_slab_pages: (options.prefetch_window_max / page).max(512),
         };
         let background = options.background;
         let shared = Arc::new(Shared::new(driver, Heap::new(lim), options));

@@ -25,9 +25,6 @@ const RECENT_FREES: usize = 4096;
 /// A cached range up to 1/8 larger than a request serves it as it is (no driver call).
 const NEAR_FIT_DIVISOR: u64 = 8;
 
-/// Pages the window's address slabs are claimed in.
-const WINDOW_SLAB_PAGES: u64 = 512;
-
 /// What a mapped range is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
@@ -84,6 +81,9 @@ pub(crate) struct Limits {
     pub unmap_batch_bytes: u64,
     /// Retired ranges older than this are unmapped at the next chance.
     pub unmap_batch_age: std::time::Duration,
+    /// Pages of address space the window grows in at a time: at least the largest window, so
+    /// the whole window can be one contiguous segment.
+    pub window_slab_pages: u64,
 }
 
 /// What a request that missed every fast path needs next.
@@ -826,7 +826,8 @@ impl Heap {
         }
         let (next, end) = self.window_slab;
         let slab_left = (end - next) / self.lim.page;
-        let n = if slab_left > 0 { want.min(slab_left) } else { want.min(WINDOW_SLAB_PAGES) };
+        let n =
+            if slab_left > 0 { want.min(slab_left) } else { want.min(self.lim.window_slab_pages) };
         let mut got = Vec::new();
         while (got.len() as u64) < n {
             match self.pool.take_bare_at_most(1) {
@@ -846,7 +847,7 @@ impl Heap {
             if slab_left > 0 {
                 self.va.recycle(next, end - next);
             }
-            let slab = self.bytes(WINDOW_SLAB_PAGES.max(pages));
+            let slab = self.bytes(self.lim.window_slab_pages.max(pages));
             let Some(base) = self.va.take_fresh(slab) else {
                 self.window_slab = (0, 0);
                 for c in got {

@@ -117,7 +117,7 @@ impl Shared {
         if let Err(e) = self.record(stream.0, epoch, spare) {
             self.heap().note_deferred_error(e);
         }
-        self.wake_worker();
+        // No wake-up here: a futex wake would double the cost of a free; the worker polls.
         Ok(())
     }
 

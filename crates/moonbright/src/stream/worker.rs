@@ -87,9 +87,9 @@ fn refill_window(
         let target = ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
         let have = heap.window_pages();
         let want = target.saturating_sub(have).min(REFILL_BATCH_PAGES);
-        // New chunks only when no held memory is free: creating while free chunks sit idle
-        // (too large for one-page slots, say) would raise what is held for nothing.
-        let create = if heap.free_held_pages() == 0 { want } else { 0 };
+        // New chunks up to the minimum the user asked for; beyond it only when no held memory
+        // is free (creating while free chunks sit idle would raise what is held for nothing).
+        let create = if have < min_pages || heap.free_held_pages() == 0 { want } else { 0 };
         heap.plan_window_refill(want, create)
     };
     let plan = match plan {
