@@ -82,7 +82,7 @@ impl Default for Options {
             cap_fraction: 0.95,
             host_page_size: 2 * MIB as usize,
             host_capacity: 64 * GIB,
-            max_chunk_bytes: GIB,
+            max_chunk_bytes: 64 * MIB,
             unmap_batch_ranges: 256,
             unmap_batch_bytes: 8 * GIB,
             unmap_batch_age_us: 50_000,

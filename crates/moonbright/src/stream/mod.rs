@@ -15,8 +15,10 @@ use crate::core::mapping::{execute, unmap_runs};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
 
-/// How many times a request re-plans while other threads' unmaps are in flight before giving up.
-const MAX_REPLANS: usize = 10_000;
+/// How long a request waits for other threads' unmaps or plans in flight before giving up.
+const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long it sleeps between looks while it waits.
+const WAIT_STEP: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// What the allocator's handle and its background worker share.
 #[derive(Debug)]
@@ -151,7 +153,8 @@ impl Shared {
             self.poll_events();
         }
         let mut waited = false;
-        for _ in 0..MAX_REPLANS {
+        let start = std::time::Instant::now();
+        while start.elapsed() < MAX_WAIT {
             let step = self.heap().plan_range(pages, requested);
             match step {
                 Step::Map(plan) => {
@@ -169,14 +172,14 @@ impl Shared {
                 Step::Flush => {
                     if !self.flush()? {
                         // Another thread's unmaps are in flight: let them land.
-                        std::thread::yield_now();
+                        std::thread::sleep(WAIT_STEP);
                     }
                 }
                 Step::OutOfMemory(e) => {
                     if self.heap().has_inflight() {
                         // Pages are on their way into the window (or another request's plan
                         // failed and is returning them): wait for them to land.
-                        std::thread::yield_now();
+                        std::thread::sleep(WAIT_STEP);
                         continue;
                     }
                     if !waited && self.heap().has_pending_frees() {
@@ -192,7 +195,7 @@ impl Shared {
         Err(Error::Driver(DriverError::new(
             crate::driver::CallKind::Unmap,
             crate::driver::code::UNKNOWN,
-            "gave up waiting for unmaps in flight",
+            "gave up after 10 s waiting for unmaps or plans in flight on other threads",
         )))
     }
 

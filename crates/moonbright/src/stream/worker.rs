@@ -13,7 +13,7 @@ use crate::driver::Driver;
 
 /// Most pages mapped into the window in one step, so a refill never runs long and never holds
 /// many pages out of reach of the allocation path while it runs.
-const REFILL_BATCH_PAGES: u64 = 32;
+const REFILL_BATCH_PAGES: u64 = 8;
 /// The window's share of allocated memory: its pages are held but unused, which is exactly what
 /// the fragmentation figures count, so it may grow past `prefetch_window_min` only to 1/64th
 /// (1.6%) of what is allocated.
