@@ -230,3 +230,64 @@ fn threads_on_their_own_streams_keep_their_bytes() {
         a.stats().allocations.current == 0 && a.check_invariants().is_ok()
     });
 }
+
+#[test]
+fn a_stream_remaps_its_own_pending_frees_and_unmaps_them_after_its_work() {
+    let a = Allocator::new(Options { unmap_batch_ranges: 1, ..opts(false) }).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(4 * PAGE, s[0]).unwrap();
+    stamp(&a, p, 4 * PAGE, 1).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    // A larger request on the same stream takes the pending pages at once (stream order)...
+    let creates = a.stats().driver_calls.get(CallKind::Create);
+    let q = a.malloc_async(6 * PAGE, s[0]).unwrap();
+    let created_pages = a.stats().reserved_bytes.current / PAGE as u64;
+    assert!(created_pages <= 6, "the pending pages were not reused ({created_pages} pages held)");
+    assert!(a.stats().driver_calls.get(CallKind::Create) > creates);
+    // ...but the old addresses stay mapped while the stream's earlier work may read them.
+    a.flush().unwrap();
+    assert!(verify(&a, p, 4 * PAGE, 1).unwrap(), "unmapped while the stream was still busy");
+    assert_eq!(a.stats().retired_ranges.current, 1);
+    host(&a).release_stream(s[0]);
+    a.poll();
+    a.flush().unwrap();
+    assert_eq!(a.stats().retired_ranges.current, 0);
+    a.free(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn pending_pages_of_a_failed_plan_never_reach_another_stream() {
+    // One-page chunks, so another stream's one-page requests could take them one by one.
+    let a = Allocator::new(Options {
+        unmap_batch_ranges: 1000,
+        max_chunk_bytes: PAGE as u64,
+        ..opts(false)
+    })
+    .unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(4 * PAGE, s[0]).unwrap();
+    stamp(&a, p, 4 * PAGE, 1).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    a.driver().fail_nth(CallKind::Map, 1, None);
+    assert!(matches!(a.malloc_async(6 * PAGE, s[0]), Err(Error::Driver(_))));
+    a.check_invariants().unwrap();
+    // Another stream fills what is left: it must not be handed the quarantined pages.
+    let mut others = Vec::new();
+    while let Ok(x) = a.malloc_async(PAGE, s[1]) {
+        stamp(&a, x, PAGE, 2).unwrap();
+        others.push(x);
+        if others.len() > 64 {
+            break;
+        }
+    }
+    assert!(verify(&a, p, 4 * PAGE, 1).unwrap(), "a quarantined page went to another stream");
+    host(&a).release_stream(s[0]);
+    a.poll();
+    for x in others {
+        a.free(x).unwrap();
+    }
+    a.check_invariants().unwrap();
+}

@@ -136,6 +136,11 @@ pub(crate) struct Heap {
     free_generation: u64,
     /// Chunks claimed by plans in flight (neither bare nor in a range), by plan.
     inflight: HashMap<u64, Vec<ChunkId>>,
+    /// Chunks a plan took from its stream's pending frees, by plan: (chunk, stream, epoch). If
+    /// the plan fails they are quarantined, not made bare.
+    inflight_same_stream: HashMap<u64, Vec<(ChunkId, u64, u64)>>,
+    /// Chunks that only become bare once their stream's epoch has completed.
+    quarantine: Vec<(ChunkId, u64, u64)>,
     /// Addresses claimed by plans in flight, by plan: (va, len).
     inflight_va: HashMap<u64, (u64, u64)>,
     inflight_create_pages: u64,
@@ -174,6 +179,8 @@ impl Heap {
             free_generation: 0,
             inflight: HashMap::new(),
             inflight_va: HashMap::new(),
+            inflight_same_stream: HashMap::new(),
+            quarantine: Vec::new(),
             inflight_create_pages: 0,
             inflight_release_pages: 0,
             next_plan: 0,
@@ -441,7 +448,6 @@ impl Heap {
     pub fn events_to_query(&self) -> Vec<(u64, Vec<EventHandle>)> {
         self.streams
             .iter()
-            .filter(|(_, f)| !f.is_empty())
             .map(|(s, f)| (s, f.events().map(|e| e.1).collect::<Vec<_>>()))
             .filter(|(_, evs)| !evs.is_empty())
             .collect()
@@ -451,6 +457,17 @@ impl Heap {
     /// free for every stream.
     pub fn events_completed(&mut self, stream: u64, event: EventHandle) {
         let done = self.streams.entry(stream).completed(event);
+        let free = self.streams.get(stream).map(|f| {
+            self.quarantine
+                .iter()
+                .filter(|q| q.1 == stream && f.is_done(q.2))
+                .map(|q| q.0)
+                .collect::<Vec<_>>()
+        });
+        for c in free.unwrap_or_default() {
+            self.quarantine.retain(|q| q.0 != c);
+            self.pool.put_bare(c);
+        }
         for item in done {
             match item {
                 Pending::Range { id, pages } => {
@@ -474,7 +491,7 @@ impl Heap {
 
     /// Whether frees on streams are still waiting for their events.
     pub fn has_pending_frees(&self) -> bool {
-        self.streams.any_pending()
+        self.streams.any_pending() || !self.quarantine.is_empty()
     }
 
     fn release_backing(&mut self, backing: Backing) {
@@ -535,7 +552,7 @@ impl Heap {
     }
 
     /// Plans a new range of `pages` pages at a fresh address, claiming what it uses.
-    pub fn plan_range(&mut self, pages: u64, requested: u64) -> Step {
+    pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
         let free = self.free_pages();
         if free < pages {
             return Step::OutOfMemory(self.out_of_memory(requested, pages - free));
@@ -556,6 +573,7 @@ impl Heap {
             return Step::Reserve(size);
         };
         let mut got: Vec<ChunkId> = Vec::new();
+        let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
         let mut left = pages;
         loop {
             while left > 0 {
@@ -578,6 +596,21 @@ impl Heap {
                 self.steal_window(left);
                 continue;
             }
+            // The stream's own pending frees: its later work is ordered after its earlier work,
+            // so their pages may serve it now; the old addresses are unmapped only once the
+            // earlier work has completed. Their chunks go straight into this range, never bare.
+            if let Some((id, p, epoch)) =
+                self.streams.get_mut(stream).and_then(|f| f.take_covered_range_at_most(left))
+            {
+                self.streams.range_left(p);
+                let range = self.remove_range(id);
+                left -= p;
+                got.extend(range.chunks.iter().copied());
+                same_stream.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
+                self.stats.cached_ranges_stolen += 1;
+                self.retire_after(range.va, self.bytes(p), range.chunks, Some((stream, epoch)));
+                continue;
+            }
             break;
         }
         let mut release = Vec::new();
@@ -594,9 +627,7 @@ impl Heap {
                 }
                 None => {
                     // Every candidate is still mapped by a retired range: unmap first.
-                    for c in got {
-                        self.pool.put_bare(c);
-                    }
+                    self.give_back(got, same_stream);
                     self.va.recycle(va, len);
                     return Step::Flush;
                 }
@@ -604,15 +635,30 @@ impl Heap {
         }
         if left > 0 {
             if self.headroom() < left {
-                for c in got {
-                    self.pool.put_bare(c);
-                }
+                self.give_back(got, same_stream);
                 self.va.recycle(va, len);
                 return Step::OutOfMemory(self.out_of_memory(requested, left));
             }
             create = chunk_plan(left, self.lim.max_chunk_pages);
         }
-        self.claim(va, len, got, release, create, spare)
+        let step = self.claim(va, len, got, release, create, spare);
+        if let Step::Map(plan) = &step {
+            if !same_stream.is_empty() {
+                self.inflight_same_stream.insert(plan.id, same_stream);
+            }
+        }
+        step
+    }
+
+    /// Returns chunks a plan gathered but will not use: bare, except those taken from a stream's
+    /// pending frees, which wait in quarantine until that stream's work has passed them.
+    fn give_back(&mut self, chunks: Vec<ChunkId>, same_stream: Vec<(ChunkId, u64, u64)>) {
+        for c in chunks {
+            match same_stream.iter().find(|q| q.0 == c) {
+                Some(&q) => self.quarantine.push(q),
+                None => self.pool.put_bare(c),
+            }
+        }
     }
 
     fn claim(
@@ -652,6 +698,7 @@ impl Heap {
     pub fn commit(&mut self, plan: MapPlan, ex: Executed) -> Result<RangeId> {
         self.inflight.remove(&plan.id);
         self.inflight_va.remove(&plan.id);
+        let same_stream = self.inflight_same_stream.remove(&plan.id).unwrap_or_default();
         self.inflight_create_pages -= plan.created_pages();
         self.inflight_release_pages -= plan.released_pages();
         for &(c, _, pages) in &plan.release[..ex.released] {
@@ -696,16 +743,19 @@ impl Heap {
                     self.stats.mapped_bytes.add(stuck_len);
                     self.stats.retired_ranges.add(1);
                     self.note_deferred_error(e.clone());
-                    self.va.retire(Retired { va: plan.va, len: stuck_len, chunks: stuck });
+                    self.va.retire(Retired {
+                        va: plan.va,
+                        len: stuck_len,
+                        chunks: stuck,
+                        after: None,
+                    });
                     unused_from += stuck_len;
                 }
                 if plan.va + plan.len > unused_from {
                     self.va.recycle(unused_from, plan.va + plan.len - unused_from);
                 }
                 // Chunks created for the range that could not be released again stay, bare.
-                for c in chunks {
-                    self.pool.put_bare(c);
-                }
+                self.give_back(chunks, same_stream);
                 Err(if e.is_out_of_memory() {
                     self.out_of_memory(plan.len, plan.len / self.lim.page)
                 } else {
@@ -804,8 +854,12 @@ impl Heap {
     }
 
     fn retire(&mut self, va: u64, len: u64, chunks: Vec<ChunkId>) {
+        self.retire_after(va, len, chunks, None);
+    }
+
+    fn retire_after(&mut self, va: u64, len: u64, chunks: Vec<ChunkId>, after: Option<(u64, u64)>) {
         self.stats.retired_ranges.add(1);
-        self.va.retire(Retired { va, len, chunks });
+        self.va.retire(Retired { va, len, chunks, after });
     }
 
     /// Pages fresh allocations took since the last call (the mapper's measure of demand).
@@ -888,9 +942,14 @@ impl Heap {
                 || self.va.retired_age() >= self.lim.unmap_batch_age)
     }
 
-    /// Takes every retired range out for unmapping, merged into runs.
+    /// Takes every retired range whose stream work has completed out for unmapping, merged
+    /// into runs.
     pub fn take_unmap_batch(&mut self) -> Vec<UnmapRun> {
-        let runs = self.va.take_retired_runs();
+        let streams = &self.streams;
+        let runs = self.va.take_retired_runs(|r| match r.after {
+            None => true,
+            Some((s, epoch)) => streams.get(s).is_some_and(|f| f.is_done(epoch)),
+        });
         self.unmapping += runs.len();
         runs
     }
@@ -975,7 +1034,7 @@ impl Heap {
             let len = self.bytes(chunks.len() as u64);
             self.retire(va, len, chunks);
         }
-        let runs = self.va.take_retired_runs();
+        let runs = self.va.take_retired_runs(|_| true);
         let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
         let reservations = self.va.reservations().to_vec();
         let events = self.streams.iter().flat_map(|(_, f)| f.all_events()).collect();
@@ -1128,6 +1187,9 @@ impl Heap {
             for &c in chunks {
                 *owners.entry(c).or_default() += 1;
             }
+        }
+        for &(c, _, _) in &self.quarantine {
+            *owners.entry(c).or_default() += 1;
         }
         for &(va, len) in self.inflight_va.values() {
             spans.push((va, len, "in flight"));

@@ -36,6 +36,8 @@ pub(crate) struct StreamFrees {
     spare_events: Vec<EventHandle>,
     /// The highest epoch a recorded event covers.
     covered: Option<u64>,
+    /// The highest epoch known to have completed.
+    done: Option<u64>,
 }
 
 impl StreamFrees {
@@ -76,6 +78,25 @@ impl StreamFrees {
             Pending::Range { id, .. } => Some(id),
             Pending::Block { .. } => unreachable!("size index points at a block"),
         }
+    }
+
+    /// The oldest range of at most `pages` pages whose free an event already covers, for this
+    /// stream to remap its chunks: (range, pages, epoch).
+    pub fn take_covered_range_at_most(&mut self, pages: u64) -> Option<(u32, u64, u64)> {
+        let covered = self.covered?;
+        let (&seq, item) = self.items.iter().find(|(_, it)| {
+            it.epoch <= covered && matches!(it.what, Pending::Range { pages: p, .. } if p <= pages)
+        })?;
+        let epoch = item.epoch;
+        match self.remove(seq) {
+            Pending::Range { id, pages } => Some((id, pages, epoch)),
+            Pending::Block { .. } => unreachable!("matched a range above"),
+        }
+    }
+
+    /// Whether the free of `epoch` has completed.
+    pub fn is_done(&self, epoch: u64) -> bool {
+        self.done.is_some_and(|d| d >= epoch)
     }
 
     /// The newest block of exactly `rounded` bytes, for reuse by this stream: (ptr, arena, offset).
@@ -132,6 +153,7 @@ impl StreamFrees {
             }
         }
         let Some(upto) = upto else { return Vec::new() };
+        self.done = self.done.max(Some(upto));
         let done: Vec<u64> =
             self.items.iter().take_while(|(_, it)| it.epoch <= upto).map(|(&s, _)| s).collect();
         done.into_iter().map(|s| self.remove(s)).collect()
@@ -157,6 +179,10 @@ pub(crate) struct Streams {
 }
 
 impl Streams {
+    pub fn get(&self, stream: u64) -> Option<&StreamFrees> {
+        self.by_stream.get(&stream)
+    }
+
     pub fn get_mut(&mut self, stream: u64) -> Option<&mut StreamFrees> {
         self.by_stream.get_mut(&stream)
     }

@@ -13,6 +13,9 @@ pub(crate) struct Retired {
     pub len: u64,
     /// The chunks mapped there, in address order; each counts this mapping until the unmap.
     pub chunks: Vec<ChunkId>,
+    /// Work queued on this stream up to this free's epoch may still use the addresses: the
+    /// unmap waits until that epoch has completed. `None`: nothing can still use them.
+    pub after: Option<(u64, u64)>,
 }
 
 /// One run of retired ranges that are adjacent in address space: one unmap call covers it.
@@ -113,11 +116,16 @@ impl VaSpace {
         self.retired_since.map_or(std::time::Duration::ZERO, |t| t.elapsed())
     }
 
-    /// Takes every retired range, merged into runs of adjacent ranges (one unmap each).
-    pub fn take_retired_runs(&mut self) -> Vec<UnmapRun> {
-        let mut all: Vec<Retired> = self.retired.drain(..).collect();
+    /// Takes every retired range that `ready` allows, merged into runs of adjacent ranges (one
+    /// unmap each); the others stay retired.
+    pub fn take_retired_runs(&mut self, ready: impl Fn(&Retired) -> bool) -> Vec<UnmapRun> {
+        let (mut all, waiting): (Vec<Retired>, Vec<Retired>) =
+            self.retired.drain(..).partition(|r| ready(r));
         self.retired_bytes = 0;
         self.retired_since = None;
+        for r in waiting {
+            self.retire(r);
+        }
         all.sort_by_key(|r| r.va);
         let mut runs: Vec<UnmapRun> = Vec::new();
         for r in all {
@@ -187,11 +195,11 @@ mod tests {
     #[test]
     fn adjacent_retired_ranges_merge_into_one_unmap() {
         let mut v = VaSpace::default();
-        v.retire(Retired { va: 20, len: 10, chunks: vec![2] });
-        v.retire(Retired { va: 0, len: 10, chunks: vec![0] });
-        v.retire(Retired { va: 10, len: 10, chunks: vec![1] });
-        v.retire(Retired { va: 50, len: 10, chunks: vec![3] });
-        let runs = v.take_retired_runs();
+        v.retire(Retired { va: 20, len: 10, chunks: vec![2], after: None });
+        v.retire(Retired { va: 0, len: 10, chunks: vec![0], after: None });
+        v.retire(Retired { va: 10, len: 10, chunks: vec![1], after: None });
+        v.retire(Retired { va: 50, len: 10, chunks: vec![3], after: None });
+        let runs = v.take_retired_runs(|_| true);
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].va, runs[0].len, runs[0].parts.len()), (0, 30, 3));
         assert_eq!((runs[1].va, runs[1].len), (50, 10));

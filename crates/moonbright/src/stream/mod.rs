@@ -149,13 +149,13 @@ impl Shared {
     /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
     /// reservation or a flush, and waiting for other streams' frees before reporting OOM.
     fn new_range(&self, pages: u64, requested: u64, stream: u64) -> Result<RangeId> {
-        if !self.options.background {
-            self.poll_events();
-        }
+        // Frees whose events have completed are free memory: look before mapping anything new
+        // (a few event queries, on the slow path only), rather than wait for the worker's tick.
+        self.poll_events();
         let mut waited = false;
         let start = std::time::Instant::now();
         while start.elapsed() < MAX_WAIT {
-            let step = self.heap().plan_range(pages, requested);
+            let step = self.heap().plan_range(pages, requested, stream);
             match step {
                 Step::Map(plan) => {
                     let ex = execute(&self.driver, &plan);
