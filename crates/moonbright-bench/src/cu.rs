@@ -6,6 +6,7 @@ use std::ffi::{c_void, CStr, CString};
 use std::ptr;
 
 use cudarc::driver::sys;
+use moonbright::driver::cuda::{describe, missing_symbols};
 
 use crate::Res;
 
@@ -57,27 +58,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The name and description of a `CUresult`.
-fn describe(r: sys::CUresult) -> String {
-    let lookup = |f: unsafe fn(sys::CUresult, *mut *const std::ffi::c_char) -> sys::CUresult| {
-        let mut s: *const std::ffi::c_char = ptr::null();
-        // SAFETY: `s` is a valid out-pointer; on success it points at a static NUL-terminated
-        // string owned by libcuda, which stays loaded for the life of the process.
-        unsafe {
-            if f(r, &mut s) == sys::CUresult::CUDA_SUCCESS && !s.is_null() {
-                Some(CStr::from_ptr(s).to_string_lossy().into_owned())
-            } else {
-                None
-            }
-        }
-    };
-    let name = lookup(sys::cuGetErrorName).unwrap_or_else(|| format!("{r:?}"));
-    match lookup(sys::cuGetErrorString) {
-        Some(text) => format!("{name} ({text})"),
-        None => name,
-    }
-}
-
 /// `Ok` on success, else an error `"<call> -> <NAME> (<description>)"`.
 pub fn ck(r: sys::CUresult, call: &str) -> Res<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -117,14 +97,7 @@ impl Gpu {
                     .into(),
             );
         }
-        let missing: Vec<&str> = REQUIRED_SYMBOLS
-            .iter()
-            .copied()
-            .filter(|n| {
-                // SAFETY: the library is present (checked above); `get` only looks the name up.
-                unsafe { sys::culib().get::<unsafe extern "C" fn()>(n.as_bytes()) }.is_err()
-            })
-            .collect();
+        let missing = missing_symbols(REQUIRED_SYMBOLS);
         if !missing.is_empty() {
             return Err(format!("libcuda lacks {missing:?}: driver too old (CUDA 12.2+ needed)"));
         }

@@ -278,6 +278,28 @@ unsafe fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Failure>
     Ok(())
 }
 
+/// Stores `f(allocator)` in `*out`: the shape of every getter.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write of `T`.
+unsafe fn query<T>(
+    alloc: *mut mb_allocator,
+    out: *mut T,
+    name: &str,
+    f: impl FnOnce(&Allocator) -> T,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        if out.is_null() {
+            return Err(Failure::null(name));
+        }
+        let value = f(a);
+        // SAFETY: `out` is non-NULL and, by the caller's contract, valid for a `T`.
+        unsafe { write_out(out, name, value) }
+    })
+}
+
 // ---- options -----------------------------------------------------------------------------------
 
 fn non_zero_or<T>(value: u64, name: &'static str, default: T) -> Result<T, Failure>
@@ -534,16 +556,8 @@ pub unsafe extern "C" fn mb_flush(alloc: *mut mb_allocator) -> c_int {
 /// `mb_stats`.
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_stats(alloc: *mut mb_allocator, out: *mut mb_stats) -> c_int {
-    call(|| {
-        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
-        let a = unsafe { allocator(alloc) }?;
-        if out.is_null() {
-            return Err(Failure::null("out"));
-        }
-        let stats = mb_stats::from(&a.stats());
-        // SAFETY: `out` is non-NULL and, by the caller's contract, valid for an `mb_stats`.
-        unsafe { write_out(out, "out", stats) }
-    })
+    // SAFETY: passed on from the caller's contract above.
+    unsafe { query(alloc, out, "out", |a| mb_stats::from(&a.stats())) }
 }
 
 /// Stores the cap on physical bytes the allocator may hold in `*out_bytes`.
@@ -552,16 +566,8 @@ pub unsafe extern "C" fn mb_get_stats(alloc: *mut mb_allocator, out: *mut mb_sta
 /// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_cap(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
-    call(|| {
-        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
-        let a = unsafe { allocator(alloc) }?;
-        if out_bytes.is_null() {
-            return Err(Failure::null("out_bytes"));
-        }
-        let cap = a.cap();
-        // SAFETY: `out_bytes` is non-NULL and, by the caller's contract, valid for a write.
-        unsafe { write_out(out_bytes, "out_bytes", cap) }
-    })
+    // SAFETY: passed on from the caller's contract above.
+    unsafe { query(alloc, out_bytes, "out_bytes", |a| a.cap()) }
 }
 
 /// Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
@@ -570,16 +576,8 @@ pub unsafe extern "C" fn mb_get_cap(alloc: *mut mb_allocator, out_bytes: *mut u6
 /// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_page_size(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
-    call(|| {
-        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
-        let a = unsafe { allocator(alloc) }?;
-        if out_bytes.is_null() {
-            return Err(Failure::null("out_bytes"));
-        }
-        let page = a.page_size() as u64;
-        // SAFETY: `out_bytes` is non-NULL and, by the caller's contract, valid for a write.
-        unsafe { write_out(out_bytes, "out_bytes", page) }
-    })
+    // SAFETY: passed on from the caller's contract above.
+    unsafe { query(alloc, out_bytes, "out_bytes", |a| a.page_size() as u64) }
 }
 
 // ---- strings -----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 //! able to go on. The host backend's own books are compared with the allocator's after every step.
 
 use moonbright::driver::code;
+use moonbright::driver::Driver;
 use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options};
 use rand::{Rng, SeedableRng};
@@ -242,5 +243,31 @@ fn teardown_failures_are_reported_not_panicked() {
         let _small = a.malloc(100).unwrap();
         a.driver().fail_nth(kind, 1, None);
         drop(a);
+    }
+}
+
+/// Event failures never lose a free: the free takes effect, the error is recorded, and a later
+/// event on the stream (recorded by `poll` or the worker) covers it.
+#[test]
+fn event_failures_delay_reuse_but_lose_nothing() {
+    for kind in [CallKind::EventCreate, CallKind::EventRecord, CallKind::EventQuery] {
+        let a = tight();
+        let s = a.driver().create_stream().unwrap();
+        let t = a.driver().create_stream().unwrap();
+        let p = a.malloc_async(3 * PAGE, s).unwrap();
+        stamp(&a, p, 3 * PAGE, 1).unwrap();
+        a.driver().fail_nth(kind, 1, None);
+        a.free_async(p, s).unwrap();
+        a.poll();
+        books_agree(&a);
+        if kind != CallKind::EventQuery {
+            assert!(a.take_deferred_error().is_some(), "{kind}: the failure went unrecorded");
+        }
+        // Once an event covers the free, another stream gets the range back as it is.
+        a.poll();
+        let q = a.malloc_async(3 * PAGE, t).unwrap();
+        assert_eq!(q, p, "{kind}: the free never completed");
+        a.free(q).unwrap();
+        drains_clean(&a);
     }
 }

@@ -64,8 +64,28 @@ thread_local! {
     static CURRENT_DRIVER: Cell<u64> = const { Cell::new(0) };
 }
 
-/// The name and description of a `CUresult`, from `cuGetErrorName` / `cuGetErrorString`.
-fn describe(result: sys::CUresult) -> String {
+/// The names among `symbols` that libcuda lacks (all of them when there is no libcuda): cudarc
+/// resolves each symbol at its first call and panics if it is missing, so callers check first.
+pub fn missing_symbols<'a>(symbols: &[&'a str]) -> Vec<&'a str> {
+    // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
+    if !unsafe { sys::is_culib_present() } {
+        return symbols.to_vec();
+    }
+    symbols
+        .iter()
+        .copied()
+        .filter(|name| {
+            // SAFETY: the library is present (checked above), so `culib` returns it; `get` only
+            // looks the name up (dlsym) and the symbol is dropped unused.
+            let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
+            found.is_err()
+        })
+        .collect()
+}
+
+/// The name and description of a `CUresult`, from `cuGetErrorName` / `cuGetErrorString`
+/// (public for tools that make driver calls of their own, such as the benchmarks).
+pub fn describe(result: sys::CUresult) -> String {
     let lookup = |f: unsafe fn(sys::CUresult, *mut *const std::ffi::c_char) -> sys::CUresult| {
         let mut s: *const std::ffi::c_char = ptr::null();
         // SAFETY: `s` is a valid out-pointer; on success the driver points it at a static,
@@ -204,16 +224,7 @@ impl CudaDriver {
     /// The body of [`CudaDriver::new`], once libcuda is known to load.
     fn open(ordinal: i32) -> DriverResult<Self> {
         let kind = CallKind::MemInfo;
-        let missing: Vec<&str> = REQUIRED_SYMBOLS
-            .iter()
-            .copied()
-            .filter(|name| {
-                // SAFETY: the library is present (checked by the caller), so `culib` returns it;
-                // `get` only looks the name up (dlsym) and the symbol is dropped unused.
-                let found = unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) };
-                found.is_err()
-            })
-            .collect();
+        let missing = missing_symbols(&REQUIRED_SYMBOLS);
         if !missing.is_empty() {
             return Err(DriverError::new(
                 kind,
