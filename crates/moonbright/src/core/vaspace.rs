@@ -77,20 +77,30 @@ impl VaSpace {
         Some(start)
     }
 
-    /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse.
+    /// The reservation holding `va`, as its base.
+    fn reservation_of(&self, va: u64) -> Option<u64> {
+        self.reservations.iter().find(|&&(b, l)| va >= b && va < b + l).map(|r| r.0)
+    }
+
+    /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse. Free
+    /// neighbours merge, but never across two reservations, even adjacent ones: a mapping must
+    /// lie inside one reservation.
     pub fn recycle(&mut self, mut va: u64, mut len: u64) {
         debug_assert!(len > 0);
+        let home = self.reservation_of(va);
         if let Some((&prev, &plen)) = self.recycled.range(..va).next_back() {
             debug_assert!(prev + plen <= va, "recycled ranges overlap");
-            if prev + plen == va {
+            if prev + plen == va && self.reservation_of(prev) == home {
                 self.recycled.remove(&prev);
                 va = prev;
                 len += plen;
             }
         }
         if let Some(&nlen) = self.recycled.get(&(va + len)) {
-            self.recycled.remove(&(va + len));
-            len += nlen;
+            if self.reservation_of(va + len) == home {
+                self.recycled.remove(&(va + len));
+                len += nlen;
+            }
         }
         self.recycled.insert(va, len);
     }
@@ -129,8 +139,10 @@ impl VaSpace {
         all.sort_by_key(|r| r.va);
         let mut runs: Vec<UnmapRun> = Vec::new();
         for r in all {
+            let same_reservation =
+                |run: &UnmapRun| self.reservation_of(run.va) == self.reservation_of(r.va);
             match runs.last_mut() {
-                Some(run) if run.va + run.len == r.va => {
+                Some(run) if run.va + run.len == r.va && same_reservation(run) => {
                     run.len += r.len;
                     run.parts.push(r);
                 }
@@ -190,6 +202,26 @@ mod tests {
         assert_eq!(v.recycled().collect::<Vec<_>>(), vec![(70, 30)]);
         assert_eq!(v.take_fresh(100), Some(1000));
         assert_eq!(v.take_fresh(30), Some(70));
+    }
+
+    #[test]
+    fn recycled_space_never_merges_across_adjacent_reservations() {
+        let mut v = VaSpace::default();
+        v.add_reservation(0, 100);
+        v.take_fresh(100);
+        v.add_reservation(100, 100); // adjacent, as the OS may place them
+        v.take_fresh(100);
+        v.recycle(50, 50);
+        v.recycle(100, 50);
+        assert_eq!(v.recycled().collect::<Vec<_>>(), vec![(50, 50), (100, 50)]);
+        assert_eq!(v.take_fresh(80), None, "a range must not span two reservations");
+        v.retire(Retired { va: 50, len: 50, chunks: vec![1], after: None });
+        v.retire(Retired { va: 100, len: 50, chunks: vec![2], after: None });
+        assert_eq!(
+            v.take_retired_runs(|_| true).len(),
+            2,
+            "one unmap must not span two reservations"
+        );
     }
 
     #[test]
