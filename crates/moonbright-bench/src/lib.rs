@@ -48,11 +48,27 @@ pub fn mb_options(cap: Option<u64>, max_chunk: u64, window: (u64, u64), bg: bool
         backend: BackendKind::Cuda,
         cap_bytes: cap,
         max_chunk_bytes: max_chunk,
-        ..Options::default()
+        ..env_options()
     };
     window_options(&mut o, window.0, window.1);
     background_option(&mut o, bg);
     o
+}
+
+/// `Options::default()` with `MOONBRIGHT_ALLOC_CONF` applied, so one binary can be measured
+/// with other settings. A bad value ends the program with the option's error.
+pub fn env_options() -> Options {
+    let conf = std::env::var(moonbright::conf::ENV_VAR).unwrap_or_default();
+    moonbright::conf::parse_conf_over(Options::default(), &conf).unwrap_or_else(|e| {
+        eprintln!("{}: {e}", moonbright::conf::ENV_VAR);
+        std::process::exit(2)
+    })
+}
+
+/// The largest chunk MoonBright uses in these benchmarks: the default, or `max_chunk` from
+/// `MOONBRIGHT_ALLOC_CONF`.
+pub fn max_chunk() -> u64 {
+    env_options().max_chunk_bytes
 }
 
 /// Runs a benchmark's body: an error (or a panic) is printed with the program's name and gives

@@ -69,9 +69,9 @@ impl Mb {
     pub fn new(mode: MbMode, size: u64) -> Res<Mb> {
         let opts = match mode {
             MbMode::Cache | MbMode::Window => {
-                mb_options(None, 64 * MIB, (window_for(size), window_for(size)), true)
+                mb_options(None, crate::max_chunk(), (window_for(size), window_for(size)), true)
             }
-            MbMode::Cold => mb_options(None, 64 * MIB, (0, 0), false),
+            MbMode::Cold => mb_options(None, crate::max_chunk(), (0, 0), false),
         };
         Mb::with_options(mode, size, opts)
     }

@@ -32,6 +32,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("background", "true or false: the background worker (events, unmap batches, window)"),
     ("prefetch_window_min", "bytes the background mapper keeps mapped at least"),
     ("prefetch_window_max", "bytes the background mapper keeps mapped at most; 0 turns it off"),
+    ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("validate", "true or false"),
 ];
 
@@ -156,6 +157,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         "background" => opts.background = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "prefetch_window_min" => opts.prefetch_window_min = bytes()?,
         "prefetch_window_max" => opts.prefetch_window_max = bytes()?,
+        "window_refill_pages" => {
+            let n: u64 = v.parse().map_err(|_| bad(name, v))?;
+            if n == 0 {
+                return Err(bad(name, v));
+            }
+            opts.window_refill_pages = n;
+        }
         "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
         _ => unreachable!("every key in KEYS is handled"),
     }

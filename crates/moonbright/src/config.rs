@@ -65,6 +65,9 @@ pub struct Options {
     pub prefetch_window_min: u64,
     /// Largest mapped window, in bytes; 0 turns the window off (every new range maps on demand).
     pub prefetch_window_max: u64,
+    /// Most pages the background mapper maps into the window in one step: smaller steps keep
+    /// each step short, since the driver seems to serialise VMM calls across threads.
+    pub window_refill_pages: u64,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,
     /// Limit on all virtual reservations together, as a multiple of the device's total memory.
@@ -89,6 +92,7 @@ impl Default for Options {
             background: true,
             prefetch_window_min: 0,
             prefetch_window_max: GIB,
+            window_refill_pages: 8,
             va_reserve_factor: 2,
             va_limit_factor: 16,
             validate: false,
@@ -148,6 +152,9 @@ impl Options {
         }
         if self.unmap_batch_bytes == 0 {
             return bad("unmap_batch_bytes", "must be at least 1".into());
+        }
+        if self.window_refill_pages == 0 {
+            return bad("window_refill_pages", "must be at least 1".into());
         }
         if self.prefetch_window_min > self.prefetch_window_max {
             return bad(

@@ -210,8 +210,12 @@ fn run() -> Res<()> {
     }
     let gpu = Gpu::open()?;
     let m = Module::compile(&gpu, kernels::SOURCE)?;
-    let opts =
-        mb_options(Some(args.cap_gib * GIB), 64 * MIB, moonbright_bench::default_window(), true);
+    let opts = mb_options(
+        Some(args.cap_gib * GIB),
+        moonbright_bench::max_chunk(),
+        moonbright_bench::default_window(),
+        true,
+    );
     let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
     let sms = gpu.attribute(
         sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

@@ -220,8 +220,12 @@ fn pace(start: Instant, done: u64, rate: u64) {
 
 fn mb_churn(gpu: &Gpu, a: &Args, stop: &AtomicBool) -> Res<ChurnReport> {
     gpu.make_current()?;
-    let opts =
-        mb_options(Some(a.churn_cap_gib * GIB), 64 * MIB, moonbright_bench::default_window(), true);
+    let opts = mb_options(
+        Some(a.churn_cap_gib * GIB),
+        moonbright_bench::max_chunk(),
+        moonbright_bench::default_window(),
+        true,
+    );
     let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
     let s = Stream::new(true)?;
     let mut g = ChurnGen { rng: ChaCha8Rng::seed_from_u64(11), live_max: a.churn_live_gib * GIB };

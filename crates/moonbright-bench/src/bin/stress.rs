@@ -188,22 +188,26 @@ fn run() -> Res<()> {
     let gpu = Gpu::open()?;
     let mut outcomes = vec![];
     {
-        let a =
-            Allocator::new(mb_options(None, 64 * MIB, moonbright_bench::default_window(), true))
-                .map_err(|e| format!("MoonBright: {e}"))?;
+        let a = Allocator::new(mb_options(
+            None,
+            moonbright_bench::max_chunk(),
+            moonbright_bench::default_window(),
+            true,
+        ))
+        .map_err(|e| format!("MoonBright: {e}"))?;
         let mut mb = Mb { a, s: Stream::new(true)? };
         outcomes.push(replay("MoonBright", &mut mb, &ops, peak_requested)?);
         mb.s.sync()?;
     }
     {
-        let a = Allocator::new(mb_options(None, 64 * MIB, (0, 0), true))
+        let a = Allocator::new(mb_options(None, moonbright_bench::max_chunk(), (0, 0), true))
             .map_err(|e| format!("MoonBright: {e}"))?;
         let mut mb = Mb { a, s: Stream::new(true)? };
         outcomes.push(replay("MoonBright (no window)", &mut mb, &ops, peak_requested)?);
         mb.s.sync()?;
     }
     if !args.no_baseline {
-        let opts = mb_options(None, 64 * MIB, (0, 0), false);
+        let opts = mb_options(None, moonbright_bench::max_chunk(), (0, 0), false);
         let b = NoRemapAllocator::new(&opts, 20 * MIB).map_err(|e| format!("baseline: {e}"))?;
         outcomes.push(replay(
             "no-remap baseline (20 MiB segments)",

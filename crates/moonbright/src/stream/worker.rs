@@ -11,9 +11,6 @@ use crate::core::heap::Step;
 use crate::core::mapping::execute;
 use crate::driver::Driver;
 
-/// Most pages mapped into the window in one step, so a refill never runs long and never holds
-/// many pages out of reach of the allocation path while it runs.
-const REFILL_BATCH_PAGES: u64 = 8;
 /// The window's share of allocated memory: its pages are held but unused, which is exactly what
 /// the fragmentation figures count, so it may grow past `prefetch_window_min` only to 1/64th
 /// (1.6%) of what is allocated.
@@ -86,7 +83,7 @@ fn refill_window(
         let share = min_pages.max(allocated_pages / WINDOW_SHARE).min(max_pages);
         let target = ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
         let have = heap.window_pages();
-        let want = target.saturating_sub(have).min(REFILL_BATCH_PAGES);
+        let want = target.saturating_sub(have).min(shared.options.window_refill_pages);
         // New chunks up to the minimum the user asked for; beyond it only when no held memory
         // is free (creating while free chunks sit idle would raise what is held for nothing).
         let create = if have < min_pages || heap.free_held_pages() == 0 { want } else { 0 };
