@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the core's CPU tests under valgrind's memcheck (Miri and the sanitizers need a nightly
+# toolchain, which our machines do not have): the unit tests, the stream, fault-injection and
+# host conformance tests. Exits non-zero on any test failure or memcheck error.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 1; }
+bins=$(cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
+import sys, json
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and \
+       m["target"]["name"] in ("moonbright", "streams", "faults", "conformance"):
+        print(m["target"]["name"], m["executable"])
+')
+while read -r name bin; do
+  filter=""; [ "$name" = conformance ] && filter="host::"
+  echo "== $name under memcheck"
+  valgrind --error-exitcode=9 -q "$bin" --test-threads 2 $filter 2>&1 | grep -E "test result|ERROR SUMMARY|==[0-9]+== " || true
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "$name failed under valgrind"; exit 1; }
+done <<< "$bins"
