@@ -150,6 +150,8 @@ pub(crate) struct Heap {
     unmapping: usize,
     /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
     fresh_pages: u64,
+    /// When a request last finished mapping a range itself (the mapper keeps out of its way).
+    last_request_map: Option<std::time::Instant>,
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
@@ -186,6 +188,7 @@ impl Heap {
             next_plan: 0,
             unmapping: 0,
             fresh_pages: 0,
+            last_request_map: None,
             stats: Stats::default(),
             deferred_error: None,
             history: None,
@@ -325,6 +328,7 @@ impl Heap {
     /// allocation itself.
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
         self.fresh_pages += self.range(id).pages;
+        self.last_request_map = Some(std::time::Instant::now());
         if arena {
             self.start_arena(id, size, stream)
         } else {
@@ -865,6 +869,12 @@ impl Heap {
     /// Pages fresh allocations took since the last call (the mapper's measure of demand).
     pub fn take_fresh_demand(&mut self) -> u64 {
         std::mem::take(&mut self.fresh_pages)
+    }
+
+    /// Whether a request mapped a range of its own within `recent`: the driver seems to
+    /// serialise VMM calls across threads, so the mapper's calls would lengthen such requests.
+    pub fn requests_mapping_within(&self, recent: std::time::Duration) -> bool {
+        self.last_request_map.is_some_and(|t| t.elapsed() < recent)
     }
 
     pub fn window_pages(&self) -> u64 {

@@ -20,6 +20,9 @@ const WINDOW_HORIZON: Duration = Duration::from_millis(50);
 /// Tick while there is work in flight, and the longest sleep when idle.
 const BUSY_TICK: Duration = Duration::from_micros(200);
 const IDLE_TICK: Duration = Duration::from_millis(20);
+/// The mapper refills the window only when no request has mapped a range of its own for this
+/// long: during a burst of such requests its calls would only queue in the driver beside theirs.
+const QUIET_BEFORE_REFILL: Duration = Duration::from_millis(2);
 
 /// Recent demand for fresh pages, in pages a second (an exponential moving average).
 #[derive(Debug)]
@@ -79,6 +82,9 @@ fn refill_window(
     let plan = {
         let mut heap = shared.heap();
         let rate = demand.update(heap.take_fresh_demand());
+        if heap.requests_mapping_within(QUIET_BEFORE_REFILL) && heap.window_pages() >= min_pages {
+            return false;
+        }
         let allocated_pages = heap.stats().allocated_bytes.current / page;
         let share = min_pages.max(allocated_pages / WINDOW_SHARE).min(max_pages);
         let target = ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
