@@ -449,18 +449,18 @@ impl Heap {
     }
 
     /// Every recorded event not known complete, per stream, oldest first.
-    pub fn events_to_query(&self) -> Vec<(u64, Vec<EventHandle>)> {
+    pub fn events_to_query(&self) -> Vec<(u64, Vec<(u64, EventHandle)>)> {
         self.streams
             .iter()
-            .map(|(s, f)| (s, f.events().map(|e| e.1).collect::<Vec<_>>()))
+            .map(|(s, f)| (s, f.events().collect::<Vec<_>>()))
             .filter(|(_, evs)| !evs.is_empty())
             .collect()
     }
 
     /// Notes that every event of `stream` up to `event` has completed: what they cover becomes
     /// free for every stream.
-    pub fn events_completed(&mut self, stream: u64, event: EventHandle) {
-        let done = self.streams.entry(stream).completed(event);
+    pub fn events_completed(&mut self, stream: u64, epoch: u64, event: EventHandle) {
+        let done = self.streams.entry(stream).completed(epoch, event);
         let free = self.streams.get(stream).map(|f| {
             self.quarantine
                 .iter()

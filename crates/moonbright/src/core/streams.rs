@@ -135,27 +135,25 @@ impl StreamFrees {
         self.spare_events.push(event);
     }
 
-    /// Events to query, oldest first.
+    /// Events to query, as (epoch, event).
     pub fn events(&self) -> impl Iterator<Item = (u64, EventHandle)> + '_ {
         self.events.iter().copied()
     }
 
-    /// Notes that every event up to and including `event` has completed; returns the items they
-    /// free, oldest first.
-    pub fn completed(&mut self, event: EventHandle) -> Vec<Pending> {
-        let mut upto = None;
-        while let Some(&(epoch, ev)) = self.events.front() {
-            self.events.pop_front();
-            self.spare_events.push(ev);
-            upto = Some(epoch);
-            if ev == event {
-                break;
-            }
-        }
-        let Some(upto) = upto else { return Vec::new() };
-        self.done = self.done.max(Some(upto));
+    /// Notes that `event`, recorded for `epoch`, has completed: every free up to `epoch` has
+    /// (the event was recorded after those epochs were handed out, whatever order the events
+    /// were recorded in). Returns the items this frees, oldest first. A pair that is no longer
+    /// listed (another poller completed it, and the event may since have been recorded again for
+    /// a later epoch) changes nothing.
+    pub fn completed(&mut self, epoch: u64, event: EventHandle) -> Vec<Pending> {
+        let Some(i) = self.events.iter().position(|&e| e == (epoch, event)) else {
+            return Vec::new();
+        };
+        self.events.remove(i);
+        self.spare_events.push(event);
+        self.done = self.done.max(Some(epoch));
         let done: Vec<u64> =
-            self.items.iter().take_while(|(_, it)| it.epoch <= upto).map(|(&s, _)| s).collect();
+            self.items.iter().take_while(|(_, it)| it.epoch <= epoch).map(|(&s, _)| s).collect();
         done.into_iter().map(|s| self.remove(s)).collect()
     }
 
@@ -252,8 +250,8 @@ mod tests {
         s.recorded(e1, EventHandle(101));
         s.push(3, Pending::Range { id: 3, pages: 1 });
         assert!(s.needs_event(), "the third free has no event yet");
-        assert_eq!(s.completed(EventHandle(100)), vec![Pending::Range { id: 1, pages: 1 }]);
-        assert_eq!(s.completed(EventHandle(101)), vec![Pending::Range { id: 2, pages: 1 }]);
+        assert_eq!(s.completed(e0, EventHandle(100)), vec![Pending::Range { id: 1, pages: 1 }]);
+        assert_eq!(s.completed(e1, EventHandle(101)), vec![Pending::Range { id: 2, pages: 1 }]);
         assert_eq!(s.len(), 1);
         assert_eq!(s.spare_event(), Some(EventHandle(101)));
     }
@@ -264,7 +262,7 @@ mod tests {
         s.push(1, Pending::Range { id: 1, pages: 1 });
         let e = s.push(2, Pending::Range { id: 2, pages: 1 });
         s.recorded(e, EventHandle(7));
-        assert_eq!(s.completed(EventHandle(7)).len(), 2);
+        assert_eq!(s.completed(e, EventHandle(7)).len(), 2);
         assert!(s.is_empty());
     }
 
@@ -274,6 +272,35 @@ mod tests {
         let e = s.push(1, Pending::Range { id: 1, pages: 2 });
         s.recorded(e, EventHandle(7));
         assert_eq!(s.take_range(2), Some(1));
-        assert!(s.completed(EventHandle(7)).is_empty());
+        assert!(s.completed(e, EventHandle(7)).is_empty());
+    }
+
+    #[test]
+    fn a_stale_completion_changes_nothing() {
+        let mut s = StreamFrees::default();
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        s.recorded(e0, EventHandle(7));
+        assert_eq!(s.completed(e0, EventHandle(7)).len(), 1);
+        // Event 7 is spare, then recorded again for a later free that has not completed.
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let ev = s.spare_event().unwrap();
+        s.recorded(e1, ev);
+        // A second poller that saw event 7 done for epoch e0 must not complete epoch e1.
+        assert!(s.completed(e0, EventHandle(7)).is_empty());
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn events_recorded_out_of_epoch_order_complete_only_what_they_cover() {
+        let mut s = StreamFrees::default();
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        // Two threads: the later epoch's event lands in the list first.
+        s.recorded(e1, EventHandle(11));
+        s.recorded(e0, EventHandle(10));
+        // Event 10 (epoch e0) done: only the first free, even though event 11 is ahead of it.
+        assert_eq!(s.completed(e0, EventHandle(10)), vec![Pending::Range { id: 1, pages: 1 }]);
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.completed(e1, EventHandle(11)).len(), 1);
     }
 }

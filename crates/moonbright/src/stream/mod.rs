@@ -211,28 +211,24 @@ impl Shared {
         }
     }
 
-    /// Queries recorded events, oldest first per stream, and frees what the completed ones cover.
-    /// Returns whether anything completed.
+    /// Queries every recorded event and frees what the completed ones cover. Returns whether
+    /// anything completed. Safe to run from several threads at once: a completion that another
+    /// thread already applied changes nothing.
     pub fn poll_events(&self) -> bool {
         let to_query = self.heap().events_to_query();
         let mut any = false;
         for (stream, events) in to_query {
-            let mut last_done = None;
-            for ev in events {
+            for (epoch, ev) in events {
                 match self.driver.event_done(ev) {
-                    Ok(true) => last_done = Some(ev),
-                    Ok(false) => break,
-                    Err(e) => {
-                        self.heap().note_deferred_error(e);
-                        break;
+                    Ok(true) => {
+                        let mut heap = self.heap();
+                        heap.events_completed(stream, epoch, ev);
+                        self.validated(&heap);
+                        any = true;
                     }
+                    Ok(false) => {}
+                    Err(e) => self.heap().note_deferred_error(e),
                 }
-            }
-            if let Some(ev) = last_done {
-                let mut heap = self.heap();
-                heap.events_completed(stream, ev);
-                self.validated(&heap);
-                any = true;
             }
         }
         any
@@ -243,10 +239,11 @@ impl Shared {
         self.record_missing_events();
         let to_wait = self.heap().events_to_query();
         for (stream, events) in to_wait {
-            if let Some(&last) = events.last() {
-                self.driver.synchronize_event(last)?;
+            // The event of the newest epoch covers every free before it.
+            if let Some(&(epoch, ev)) = events.iter().max_by_key(|e| e.0) {
+                self.driver.synchronize_event(ev)?;
                 let mut heap = self.heap();
-                heap.events_completed(stream, last);
+                heap.events_completed(stream, epoch, ev);
                 self.validated(&heap);
             }
         }
