@@ -278,7 +278,8 @@ unsafe fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Failure>
     Ok(())
 }
 
-/// Stores `f(allocator)` in `*out`: the shape of every getter.
+/// Stores `f(allocator)` in `*out`, or returns `f`'s error: the shape of every call with an
+/// out-parameter.
 ///
 /// # Safety
 /// `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write of `T`.
@@ -286,7 +287,7 @@ unsafe fn query<T>(
     alloc: *mut mb_allocator,
     out: *mut T,
     name: &str,
-    f: impl FnOnce(&Allocator) -> T,
+    f: impl FnOnce(&Allocator) -> Result<T, Failure>,
 ) -> c_int {
     call(|| {
         // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
@@ -294,7 +295,7 @@ unsafe fn query<T>(
         if out.is_null() {
             return Err(Failure::null(name));
         }
-        let value = f(a);
+        let value = f(a)?;
         // SAFETY: `out` is non-NULL and, by the caller's contract, valid for a `T`.
         unsafe { write_out(out, name, value) }
     })
@@ -436,16 +437,8 @@ pub unsafe extern "C" fn mb_malloc(
     size: usize,
     out_ptr: *mut u64,
 ) -> c_int {
-    call(|| {
-        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
-        let a = unsafe { allocator(alloc) }?;
-        if out_ptr.is_null() {
-            return Err(Failure::null("out_ptr"));
-        }
-        let ptr = a.malloc(size)?;
-        // SAFETY: `out_ptr` is non-NULL and, by the caller's contract, valid for a `uint64_t`.
-        unsafe { write_out(out_ptr, "out_ptr", ptr) }
-    })
+    // SAFETY: passed on from the caller's contract above.
+    unsafe { query(alloc, out_ptr, "out_ptr", |a| Ok(a.malloc(size)?)) }
 }
 
 /// Allocates `size` bytes for use on `stream` (a `CUstream`, NULL for the default stream), as
@@ -465,16 +458,10 @@ pub unsafe extern "C" fn mb_malloc_async(
     stream: *mut c_void,
     out_ptr: *mut u64,
 ) -> c_int {
-    call(|| {
-        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
-        let a = unsafe { allocator(alloc) }?;
-        if out_ptr.is_null() {
-            return Err(Failure::null("out_ptr"));
-        }
-        let ptr = a.malloc_async(size, StreamHandle(stream as u64))?;
-        // SAFETY: `out_ptr` is non-NULL and, by the caller's contract, valid for a `uint64_t`.
-        unsafe { write_out(out_ptr, "out_ptr", ptr) }
-    })
+    // SAFETY: passed on from the caller's contract above.
+    unsafe {
+        query(alloc, out_ptr, "out_ptr", |a| Ok(a.malloc_async(size, StreamHandle(stream as u64))?))
+    }
 }
 
 /// Frees an allocation in `stream`'s order, as `cudaFreeAsync`: work queued on `stream` before
@@ -557,7 +544,7 @@ pub unsafe extern "C" fn mb_flush(alloc: *mut mb_allocator) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_stats(alloc: *mut mb_allocator, out: *mut mb_stats) -> c_int {
     // SAFETY: passed on from the caller's contract above.
-    unsafe { query(alloc, out, "out", |a| mb_stats::from(&a.stats())) }
+    unsafe { query(alloc, out, "out", |a| Ok(mb_stats::from(&a.stats()))) }
 }
 
 /// Stores the cap on physical bytes the allocator may hold in `*out_bytes`.
@@ -567,7 +554,7 @@ pub unsafe extern "C" fn mb_get_stats(alloc: *mut mb_allocator, out: *mut mb_sta
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_cap(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
     // SAFETY: passed on from the caller's contract above.
-    unsafe { query(alloc, out_bytes, "out_bytes", |a| a.cap()) }
+    unsafe { query(alloc, out_bytes, "out_bytes", |a| Ok(a.cap())) }
 }
 
 /// Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
@@ -577,7 +564,7 @@ pub unsafe extern "C" fn mb_get_cap(alloc: *mut mb_allocator, out_bytes: *mut u6
 #[no_mangle]
 pub unsafe extern "C" fn mb_get_page_size(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
     // SAFETY: passed on from the caller's contract above.
-    unsafe { query(alloc, out_bytes, "out_bytes", |a| a.page_size() as u64) }
+    unsafe { query(alloc, out_bytes, "out_bytes", |a| Ok(a.page_size() as u64)) }
 }
 
 // ---- strings -----------------------------------------------------------------------------------

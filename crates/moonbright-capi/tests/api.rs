@@ -365,3 +365,23 @@ fn strings() {
     let unknown = unsafe { CStr::from_ptr(mb_status_string(99)) }.to_str().unwrap();
     assert_eq!(unknown, "unknown status");
 }
+
+#[test]
+fn stream_ordered_malloc_and_free() {
+    let a = create(&host_options());
+    let mut p = 0u64;
+    // SAFETY: `a` is live, `p` a live local; a NULL stream is the default stream.
+    let st = unsafe { mb_malloc_async(a, 3 << 20, std::ptr::null_mut(), &mut p) };
+    assert_eq!(st, MB_OK, "{}", last_error());
+    assert!(p != 0 && p % 256 == 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { mb_free_async(a, p, std::ptr::null_mut()) }, MB_OK, "{}", last_error());
+    // A second free of the same pointer is refused, stream-ordered or not.
+    // SAFETY: as above.
+    assert_eq!(unsafe { mb_free_async(a, p, std::ptr::null_mut()) }, MB_ERR_INVALID_POINTER);
+    // SAFETY: as above; a NULL out-pointer is refused, not written.
+    let st = unsafe { mb_malloc_async(a, 100, std::ptr::null_mut(), std::ptr::null_mut()) };
+    assert_eq!(st, MB_ERR_INVALID_ARGUMENT);
+    // SAFETY: `a` came from `mb_create` and is destroyed once.
+    assert_eq!(unsafe { mb_destroy(a) }, MB_OK);
+}
