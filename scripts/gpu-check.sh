@@ -26,6 +26,7 @@ run() { # name, timeout, command...
 if want rust; then
   run unit-cuda 120 "$bin/unit" driver::cuda --test-threads 1
   run conformance-cuda 300 "$bin/conformance" cuda:: --test-threads 1
+  run capture-cuda 60 "$bin/capture" --nocapture
 fi
 if want demo; then
   run demo-cuda 120 "$bin/moonbright" demo --backend cuda --cap-mib 16384 --block-mib 64

@@ -9,7 +9,8 @@ cargo build --release -p moonbright-cli
 cp target/release/moonbright carry/bin/
 cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json, shutil
-names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams"}
+names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams",
+         "capture": "capture"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:
