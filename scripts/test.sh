@@ -10,6 +10,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --release
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
+  cargo test -p moonbright --release --lib loom_model
+RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
   cargo test -p moonbright --test loom --release
 
 # The Python package: build the abi3 wheel, install it into a private folder, run pytest.

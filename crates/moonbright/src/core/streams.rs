@@ -45,7 +45,7 @@ impl StreamFrees {
         self.items.is_empty()
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub fn len(&self) -> usize {
         self.items.len()
     }
@@ -302,5 +302,93 @@ mod tests {
         assert_eq!(s.completed(e0, EventHandle(10)), vec![Pending::Range { id: 1, pages: 1 }]);
         assert_eq!(s.len(), 1);
         assert_eq!(s.completed(e1, EventHandle(11)).len(), 1);
+    }
+}
+
+/// A loom model of the event-completion protocol, the part of the stream front end that runs
+/// across lock releases: pollers take a snapshot of (epoch, event) pairs under the lock, ask the
+/// device without it, and apply what they saw under it again, while a freeing thread reuses a
+/// spare event for a later free. The property: a free is never completed before the record of
+/// an event that covers it has completed. (An earlier version failed exactly this on an H200.)
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+    use loom::sync::atomic::{AtomicU64, Ordering};
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    /// The device: for each event handle, the number of its latest record and how many of its
+    /// records have completed (records complete in order, as on one stream).
+    struct Device {
+        latest: [AtomicU64; 2],
+        completed: [AtomicU64; 2],
+    }
+
+    impl Device {
+        fn done(&self, ev: EventHandle) -> bool {
+            let i = ev.0 as usize;
+            self.completed[i].load(Ordering::SeqCst) >= self.latest[i].load(Ordering::SeqCst)
+        }
+    }
+
+    fn poll(frees: &Mutex<StreamFrees>, device: &Device, out: &Mutex<Vec<Pending>>) {
+        let snapshot: Vec<(u64, EventHandle)> = frees.lock().unwrap().events().collect();
+        for (epoch, ev) in snapshot {
+            if device.done(ev) {
+                let done = frees.lock().unwrap().completed(epoch, ev);
+                out.lock().unwrap().extend(done);
+            }
+        }
+    }
+
+    #[test]
+    fn pollers_never_complete_a_free_early() {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(|| {
+            let device = Arc::new(Device {
+                latest: [AtomicU64::new(1), AtomicU64::new(0)],
+                completed: [AtomicU64::new(0), AtomicU64::new(0)],
+            });
+            let frees = Arc::new(Mutex::new(StreamFrees::default()));
+            let completed_items = Arc::new(Mutex::new(Vec::new()));
+            {
+                // The first free, covered by event 0's first record.
+                let mut f = frees.lock().unwrap();
+                let e = f.push(1, Pending::Range { id: 1, pages: 1 });
+                f.recorded(e, EventHandle(0));
+                f.return_event(EventHandle(1));
+            }
+            // The device completes event 0's first record.
+            let d = device.clone();
+            let dev = thread::spawn(move || d.completed[0].store(1, Ordering::SeqCst));
+            let pollers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (f, d, o) = (frees.clone(), device.clone(), completed_items.clone());
+                    thread::spawn(move || poll(&f, &d, &o))
+                })
+                .collect();
+            // A second free on the same stream, recorded with whatever event is spare (event 0
+            // again once a poller has completed it); that record never completes here.
+            {
+                let (epoch, spare) = {
+                    let mut f = frees.lock().unwrap();
+                    let epoch = f.push(2, Pending::Range { id: 2, pages: 1 });
+                    (epoch, f.spare_event().expect("a spare event"))
+                };
+                let i = spare.0 as usize;
+                device.latest[i].fetch_add(1, Ordering::SeqCst);
+                frees.lock().unwrap().recorded(epoch, spare);
+            }
+            dev.join().unwrap();
+            for p in pollers {
+                p.join().unwrap();
+            }
+            let done = completed_items.lock().unwrap();
+            assert!(
+                !done.contains(&Pending::Range { id: 2, pages: 1 }),
+                "the second free completed though its event never did"
+            );
+        });
     }
 }

@@ -94,7 +94,7 @@ impl SubPage {
         (off < o + l).then_some((o, l))
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub fn arena_count(&self) -> usize {
         self.arenas.len()
     }
