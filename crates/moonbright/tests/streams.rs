@@ -291,3 +291,37 @@ fn pending_pages_of_a_failed_plan_never_reach_another_stream() {
     }
     a.check_invariants().unwrap();
 }
+
+/// A stress of `release_unused` from two threads beside requests on two streams, with every
+/// invariant checked after every operation.
+#[test]
+fn release_unused_races_with_requests_and_itself() {
+    let a = Allocator::new(Options { validate: true, ..opts(true) }).unwrap();
+    let s = streams(&a, 2);
+    std::thread::scope(|sc| {
+        for _ in 0..2 {
+            let a = &a;
+            sc.spawn(move || {
+                for _ in 0..3000 {
+                    a.release_unused().unwrap();
+                }
+            });
+        }
+        for (t, &stream) in s.iter().enumerate() {
+            let a = &a;
+            sc.spawn(move || {
+                for i in 0..3000u64 {
+                    let size = ((t as u64 * 31 + i * 7) % 6 + 1) as usize * PAGE / 2;
+                    let p = a.malloc_async(size, stream).unwrap();
+                    stamp(a, p, size, i).unwrap();
+                    assert!(verify(a, p, size, i).unwrap());
+                    a.free_async(p, stream).unwrap();
+                }
+            });
+        }
+    });
+    a.poll();
+    a.release_unused().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().allocations.current, 0);
+}

@@ -1002,21 +1002,30 @@ impl Heap {
         }
     }
 
-    /// Takes out every bare chunk that is mapped nowhere, for release.
-    pub fn take_releasable(&mut self) -> Vec<(ChunkId, ChunkHandle, u64)> {
+    /// Takes out every bare chunk that is mapped nowhere, for release: a claim id (as a plan's)
+    /// and the chunks.
+    pub fn take_releasable(&mut self) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
         let mut out = Vec::new();
         while let Some(c) = self.pool.take_unmapped_bare() {
             let ch = self.pool.get(c);
             out.push((c, ch.handle, ch.pages));
         }
+        let id = self.next_plan;
+        self.next_plan += 1;
         self.inflight_release_pages += out.iter().map(|r| r.2).sum::<u64>();
-        self.inflight.insert(u64::MAX, out.iter().map(|r| r.0).collect());
-        out
+        self.inflight.insert(id, out.iter().map(|r| r.0).collect());
+        (id, out)
     }
 
-    /// Commits releases: `released[i]` says whether chunk i went; the others stay bare.
-    pub fn commit_releases(&mut self, chunks: Vec<(ChunkId, ChunkHandle, u64)>, released: &[bool]) {
-        self.inflight.remove(&u64::MAX);
+    /// Commits the releases of claim `id`: `released[i]` says whether chunk i went; the others
+    /// stay bare.
+    pub fn commit_releases(
+        &mut self,
+        id: u64,
+        chunks: Vec<(ChunkId, ChunkHandle, u64)>,
+        released: &[bool],
+    ) {
+        self.inflight.remove(&id);
         self.inflight_release_pages -= chunks.iter().map(|r| r.2).sum::<u64>();
         for (&(c, _, pages), &gone) in chunks.iter().zip(released) {
             if gone {

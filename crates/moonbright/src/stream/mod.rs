@@ -277,7 +277,7 @@ impl Shared {
         self.poll_events();
         self.heap().retire_all_free();
         self.flush()?;
-        let chunks = self.heap().take_releasable();
+        let (claim, chunks) = self.heap().take_releasable();
         let mut released = vec![false; chunks.len()];
         let mut first_error = None;
         for (i, &(_, handle, _)) in chunks.iter().enumerate() {
@@ -292,7 +292,7 @@ impl Shared {
         let bytes: u64 =
             chunks.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
         let mut heap = self.heap();
-        heap.commit_releases(chunks, &released);
+        heap.commit_releases(claim, chunks, &released);
         self.validated(&heap);
         match first_error {
             Some(e) => Err(e.into()),
