@@ -80,18 +80,7 @@ fn print_report(r: &FragmentationReport) {
 
 pub(crate) fn print_stats(s: &Stats) {
     println!("MoonBright statistics (current / peak / allocated / freed):");
-    for (name, st) in [
-        ("allocated_bytes", &s.allocated_bytes),
-        ("reserved_bytes", &s.reserved_bytes),
-        ("active_bytes", &s.active_bytes),
-        ("rounding_waste_bytes", &s.rounding_waste_bytes),
-        ("mapped_bytes", &s.mapped_bytes),
-        ("mapped_handles", &s.mapped_handles),
-        ("allocations", &s.allocations),
-        ("chunks", &s.chunks),
-        ("cached_ranges", &s.cached_ranges),
-        ("retired_ranges", &s.retired_ranges),
-    ] {
+    for (name, st) in s.named() {
         println!(
             "  {name:<22} {:>14} {:>14} {:>14} {:>14}",
             st.current, st.peak, st.allocated, st.freed

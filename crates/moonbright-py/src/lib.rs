@@ -378,14 +378,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
     out.insert("num_device_free".into(), s.driver_calls.get(CallKind::Unmap) as i64);
     out.insert("max_split_size".into(), -1);
     // MoonBright's own.
-    for (name, stat) in [
-        ("rounding_waste_bytes", &s.rounding_waste_bytes),
-        ("mapped_bytes", &s.mapped_bytes),
-        ("mapped_handles", &s.mapped_handles),
-        ("chunks", &s.chunks),
-        ("cached_ranges", &s.cached_ranges),
-        ("retired_ranges", &s.retired_ranges),
-    ] {
+    for (name, stat) in s.named() {
         put_stat(&mut out, &format!("moonbright.{name}"), stat);
     }
     for (name, v) in [

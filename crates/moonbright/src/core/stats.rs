@@ -89,25 +89,37 @@ impl Stats {
         }
         self.reserved_bytes.peak as f64 / self.allocated_bytes.peak as f64
     }
-
-    pub(crate) fn reset_peaks(&mut self) {
-        for s in [
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.rounding_waste_bytes,
-            &mut self.mapped_bytes,
-            &mut self.mapped_handles,
-            &mut self.allocations,
-            &mut self.chunks,
-            &mut self.window_bytes,
-            &mut self.cached_ranges,
-            &mut self.retired_ranges,
-        ] {
-            s.reset_peak();
-        }
-    }
 }
+
+/// The named statistics, listed once: `Stats::named` and `Stats::reset_peaks` come from here.
+macro_rules! stat_fields {
+    ($($field:ident),* $(,)?) => {
+        impl Stats {
+            /// Every current/peak/allocated/freed statistic with its name, in a fixed order.
+            pub fn named(&self) -> Vec<(&'static str, &Stat)> {
+                vec![$((stringify!($field), &self.$field)),*]
+            }
+
+            pub(crate) fn reset_peaks(&mut self) {
+                $(self.$field.reset_peak();)*
+            }
+        }
+    };
+}
+
+stat_fields!(
+    allocated_bytes,
+    reserved_bytes,
+    active_bytes,
+    rounding_waste_bytes,
+    mapped_bytes,
+    mapped_handles,
+    allocations,
+    chunks,
+    window_bytes,
+    cached_ranges,
+    retired_ranges,
+);
 
 #[cfg(all(test, not(loom)))]
 mod tests {
@@ -123,5 +135,16 @@ mod tests {
         assert_eq!(s, Stat { current: 4, peak: 15, allocated: 16, freed: 12 });
         s.reset_peak();
         assert_eq!(s.peak, 4);
+    }
+
+    #[test]
+    fn named_lists_every_stat_and_reset_covers_them() {
+        let mut s = Stats::default();
+        s.window_bytes.add(3);
+        s.window_bytes.sub(2);
+        let names: Vec<&str> = s.named().iter().map(|n| n.0).collect();
+        assert!(names.contains(&"window_bytes") && names.contains(&"allocated_bytes"));
+        s.reset_peaks();
+        assert!(s.named().iter().all(|(_, st)| st.peak == st.current));
     }
 }
