@@ -131,6 +131,19 @@ impl Driver for Backend {
     }
 }
 
+/// The sizes of a growable allocation, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrowableInfo {
+    /// Its address, fixed for its life.
+    pub base: DevicePtr,
+    /// Addresses reserved: the most it can grow to.
+    pub capacity: u64,
+    /// The size of the last resize.
+    pub size: u64,
+    /// Bytes backed by physical pages: `size` rounded up to the chunks that hold it.
+    pub committed: u64,
+}
+
 /// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free, on
 /// any stream.
 pub struct Allocator {
@@ -229,6 +242,34 @@ impl Allocator {
     /// streams once an event recorded here has completed. Never waits for the device.
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.shared.free_async(ptr, stream)
+    }
+
+    /// Reserves `capacity` bytes of addresses (rounded up to pages) for a *growable*
+    /// allocation and returns its address, which never changes. It holds no physical memory
+    /// until resized: [`resize_async`](Self::resize_async) commits pages at its end, in place,
+    /// from the same pool as every other allocation. `free`/`free_async` release it.
+    pub fn reserve_growable(&self, capacity: usize) -> Result<DevicePtr> {
+        self.shared.reserve_growable(capacity as u64)
+    }
+
+    /// Resizes a growable allocation to `len` bytes in `stream`'s order, in place: growing
+    /// maps pages at its end (none if the committed pages already cover `len`), shrinking gives
+    /// back the whole chunks beyond `len`, reusable by other streams once `stream`'s work
+    /// queued before this call has completed. Nothing is copied, ever. Bad input (beyond the
+    /// capacity, a pointer that is not a live growable allocation) changes nothing.
+    pub fn resize_async(&self, ptr: DevicePtr, len: usize, stream: StreamHandle) -> Result<()> {
+        self.shared.resize(ptr, len as u64, Some(stream))
+    }
+
+    /// `resize_async` for a caller that orders device work itself: what a shrink gives back is
+    /// reusable at once.
+    pub fn resize(&self, ptr: DevicePtr, len: usize) -> Result<()> {
+        self.shared.resize(ptr, len as u64, None)
+    }
+
+    /// The sizes of a live growable allocation, or `None`.
+    pub fn growable_info(&self, ptr: DevicePtr) -> Option<GrowableInfo> {
+        self.shared.heap().growable_info(ptr)
     }
 
     /// The usable size of a live allocation (its size rounded up), or `None`.

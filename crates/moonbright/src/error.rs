@@ -64,6 +64,30 @@ pub enum Error {
         /// Its offset there.
         offset: u64,
     },
+    /// A resize or release of a pointer that is not a growable allocation.
+    #[error("{ptr:#x} is not a growable allocation (reserve one with reserve_growable)")]
+    NotGrowable {
+        /// The pointer passed.
+        ptr: u64,
+    },
+    /// A resize or release of a growable allocation already released.
+    #[error("growable allocation {ptr:#x} was released; it cannot be used any more")]
+    Released {
+        /// The pointer passed.
+        ptr: u64,
+    },
+    /// A resize beyond the capacity reserved.
+    #[error(
+        "cannot grow {ptr:#x} to {requested} bytes: its reserved capacity is {capacity} bytes"
+    )]
+    BeyondCapacity {
+        /// The growable allocation.
+        ptr: u64,
+        /// Bytes asked for.
+        requested: u64,
+        /// Its capacity.
+        capacity: u64,
+    },
     /// A bad option value.
     #[error("invalid option `{name}`: {reason}")]
     InvalidOption {

@@ -25,7 +25,7 @@ mod stream;
 pub(crate) mod sync;
 pub mod trace;
 
-pub use allocator::{Allocator, Backend};
+pub use allocator::{Allocator, Backend, GrowableInfo};
 pub use config::{BackendKind, Options};
 pub use core::stats::{Stat, Stats};
 pub use driver::{CallKind, DevicePtr, DriverError, StreamHandle};

@@ -16,6 +16,10 @@ use super::window::Window;
 use crate::driver::{ChunkHandle, DriverError, EventHandle};
 use crate::error::{Error, Result};
 
+mod growable;
+use growable::Growable;
+pub(crate) use growable::Resize;
+
 /// Index of a range in the heap.
 pub(crate) type RangeId = u32;
 
@@ -148,6 +152,10 @@ pub(crate) struct Heap {
     next_plan: u64,
     /// Retired runs being unmapped with the lock released.
     unmapping: usize,
+    /// Those of them inside growables' private reservations: (va, len).
+    unmapping_private: Vec<(u64, u64)>,
+    /// Growable allocations by base address (released ones until their addresses are unmapped).
+    growables: BTreeMap<u64, Growable>,
     /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
     fresh_pages: u64,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
@@ -187,6 +195,8 @@ impl Heap {
             inflight_release_pages: 0,
             next_plan: 0,
             unmapping: 0,
+            unmapping_private: Vec::new(),
+            growables: BTreeMap::new(),
             fresh_pages: 0,
             last_request_map: None,
             stats: Stats::default(),
@@ -385,6 +395,12 @@ impl Heap {
         self.stats.active_bytes.sub(live.rounded);
         self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
         self.stats.allocations.sub(1);
+        self.remember_free(ptr);
+        Ok(live)
+    }
+
+    /// Remembers a freed pointer, to tell a double free from an unknown pointer.
+    fn remember_free(&mut self, ptr: u64) {
         if self.recent_frees.len() == RECENT_FREES {
             if let Some((old, generation)) = self.recent_frees.pop_front() {
                 if self.recent_free_gen.get(&old) == Some(&generation) {
@@ -395,7 +411,6 @@ impl Heap {
         self.free_generation += 1;
         self.recent_frees.push_back((ptr, self.free_generation));
         self.recent_free_gen.insert(ptr, self.free_generation);
-        Ok(live)
     }
 
     /// Frees at once: the caller guarantees no device work uses the memory any more.
@@ -484,6 +499,8 @@ impl Heap {
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
                     self.release_backing(Backing::Sub { arena, offset });
                 }
+                // A growable's shrink: its chunks left the quarantine above.
+                Pending::Mark => {}
             }
         }
     }
@@ -576,6 +593,14 @@ impl Heap {
             }
             return Step::Reserve(size);
         };
+        self.plan_at(va, pages, requested, stream)
+    }
+
+    /// Plans `pages` pages of chunks mapped at `va` (fresh addresses, or a growable allocation's
+    /// tail), claiming what it uses. If the plan cannot go ahead, `va` is recycled (a no-op for
+    /// a growable's private addresses, which stay with it).
+    fn plan_at(&mut self, va: u64, pages: u64, requested: u64, stream: u64) -> Step {
+        let len = self.bytes(pages);
         let mut got: Vec<ChunkId> = Vec::new();
         let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
         let mut left = pages;
@@ -700,6 +725,14 @@ impl Heap {
     /// Commits an executed plan: on success the new range (a live range for the caller), on
     /// failure everything claimed goes back and the driver's error is returned.
     pub fn commit(&mut self, plan: MapPlan, ex: Executed) -> Result<RangeId> {
+        let (va, pages) = (plan.va, plan.len / self.lim.page);
+        let chunks = self.commit_mapping(plan, ex)?;
+        Ok(self.add_range(va, pages, chunks, Use::Alloc))
+    }
+
+    /// Commits an executed plan's driver effects: on success the chunks now mapped at
+    /// `plan.va`, in order; on failure everything claimed goes back.
+    fn commit_mapping(&mut self, plan: MapPlan, ex: Executed) -> Result<Vec<ChunkId>> {
         self.inflight.remove(&plan.id);
         self.inflight_va.remove(&plan.id);
         let same_stream = self.inflight_same_stream.remove(&plan.id).unwrap_or_default();
@@ -732,8 +765,7 @@ impl Heap {
                 self.stats.mapped_handles.add(chunks.len() as u64);
                 self.stats.mapped_bytes.add(plan.len);
                 self.note(HistoryAction::SegmentMap, plan.va, plan.len, 0);
-                let pages = plan.len / self.lim.page;
-                Ok(self.add_range(plan.va, pages, chunks, Use::Alloc))
+                Ok(chunks)
             }
             Err(e) => {
                 let mut unused_from = plan.va;
@@ -961,12 +993,18 @@ impl Heap {
             Some((s, epoch)) => streams.get(s).is_some_and(|f| f.is_done(epoch)),
         });
         self.unmapping += runs.len();
+        for run in &runs {
+            if self.va.is_private(run.va) {
+                self.unmapping_private.push((run.va, run.len));
+            }
+        }
         runs
     }
 
     /// Commits an unmap batch of which the first `done` runs were unmapped; the rest stay retired.
     pub fn commit_unmap(&mut self, runs: Vec<UnmapRun>, done: usize, error: Option<DriverError>) {
         self.unmapping -= runs.len();
+        self.unmapping_private.retain(|&(va, _)| !runs.iter().any(|r| r.va == va));
         if !runs.is_empty() {
             self.stats.unmap_batches += 1;
             self.stats.unmap_calls_in_batches += (done + error.is_some() as usize) as u64;
@@ -1053,9 +1091,16 @@ impl Heap {
             let len = self.bytes(chunks.len() as u64);
             self.retire(va, len, chunks);
         }
+        let growables = std::mem::take(&mut self.growables);
+        for g in growables.values().filter(|g| g.committed > 0) {
+            let len = self.bytes(g.committed);
+            self.retire(g.base, len, g.chunks.clone());
+        }
+        let leaked = leaked + growables.values().filter(|g| !g.released).count();
         let runs = self.va.take_retired_runs(|_| true);
         let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
-        let reservations = self.va.reservations().to_vec();
+        let mut reservations = self.va.reservations().to_vec();
+        reservations.extend(growables.values().map(|g| (g.base, g.capacity)));
         let events = self.streams.iter().flat_map(|(_, f)| f.all_events()).collect();
         *self = Heap::new(self.lim);
         Teardown { leaked, runs, chunks, reservations, events }
@@ -1202,6 +1247,8 @@ impl Heap {
             }
             spans.push((va, chunks.len() as u64 * page, "window"));
         }
+        let (grow_allocated, grow_active) =
+            self.check_growables(&mut owners, &mut maps, &mut spans)?;
         for chunks in self.inflight.values() {
             for &c in chunks {
                 *owners.entry(c).or_default() += 1;
@@ -1260,13 +1307,14 @@ impl Heap {
             if a % page != 0 || l % page != 0 {
                 return Err(format!("{what} at {a:#x} is not page-aligned"));
             }
-            if !self.va.reservations().iter().any(|&(b, bl)| a >= b && a + l <= b + bl) {
+            let mut all = self.va.reservations().iter().chain(self.va.private_reservations());
+            if !all.any(|&(b, bl)| a >= b && a + l <= b + bl) {
                 return Err(format!("{what} at {a:#x} lies outside every reservation"));
             }
         }
         // Live allocations lie inside their ranges; the statistics match them.
-        let mut allocated = 0;
-        let mut active = 0;
+        let mut allocated = grow_allocated;
+        let mut active = grow_active;
         for (&ptr, l) in &self.live {
             allocated += l.size;
             active += l.rounded;

@@ -111,6 +111,17 @@ impl Pool {
         id
     }
 
+    /// Takes this chunk if it is bare; returns whether it was.
+    pub fn take_if_bare(&mut self, id: ChunkId) -> bool {
+        let c = self.get(id);
+        if !c.bare {
+            return false;
+        }
+        let pages = c.pages;
+        self.unbare(pages, id);
+        true
+    }
+
     /// Takes the largest bare chunk of at most `max_pages` pages.
     pub fn take_bare_at_most(&mut self, max_pages: u64) -> Option<ChunkId> {
         let &(pages, id) = self.bare.range(..=(max_pages, ChunkId::MAX)).next_back()?;

@@ -59,6 +59,13 @@ pub struct Stats {
     pub cached_ranges: Stat,
     /// Ranges waiting for their unmap.
     pub retired_ranges: Stat,
+    /// Bytes of pages committed to growable allocations (also counted in `active_bytes`, and
+    /// their sizes in `allocated_bytes`).
+    pub growable_committed_bytes: Stat,
+    /// Resizes of growable allocations that mapped or gave back pages (none of them copies).
+    pub growable_resizes: u64,
+    /// Tails given back by a shrink and taken back, still mapped, by a later growth.
+    pub growable_reclaims: u64,
     /// Allocations served by a cached range without any driver call.
     pub cache_hits: u64,
     /// Allocations served from the mapped window without any driver call.
@@ -119,6 +126,7 @@ stat_fields!(
     window_bytes,
     cached_ranges,
     retired_ranges,
+    growable_committed_bytes,
 );
 
 #[cfg(all(test, not(loom)))]

@@ -13,6 +13,9 @@ pub(crate) enum Pending {
     Range { id: u32, pages: u64 },
     /// A sub-page block, still marked used in its arena.
     Block { ptr: u64, arena: u32, offset: u64, rounded: u64 },
+    /// A point in the stream's order with nothing attached: a growable allocation shrank here,
+    /// and the chunks it gave back wait in the heap's quarantine for this epoch.
+    Mark,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -58,6 +61,7 @@ impl StreamFrees {
         match what {
             Pending::Range { pages, .. } => self.ranges_by_size.insert((pages, seq)),
             Pending::Block { rounded, .. } => self.blocks_by_size.insert((rounded, seq)),
+            Pending::Mark => true,
         };
         epoch
     }
@@ -67,6 +71,7 @@ impl StreamFrees {
         match item.what {
             Pending::Range { pages, .. } => self.ranges_by_size.remove(&(pages, seq)),
             Pending::Block { rounded, .. } => self.blocks_by_size.remove(&(rounded, seq)),
+            Pending::Mark => true,
         };
         item.what
     }
@@ -76,7 +81,7 @@ impl StreamFrees {
         let &(_, seq) = self.ranges_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()?;
         match self.remove(seq) {
             Pending::Range { id, .. } => Some(id),
-            Pending::Block { .. } => unreachable!("size index points at a block"),
+            Pending::Block { .. } | Pending::Mark => unreachable!("size index points at a block"),
         }
     }
 
@@ -90,7 +95,7 @@ impl StreamFrees {
         let epoch = item.epoch;
         match self.remove(seq) {
             Pending::Range { id, pages } => Some((id, pages, epoch)),
-            Pending::Block { .. } => unreachable!("matched a range above"),
+            Pending::Block { .. } | Pending::Mark => unreachable!("matched a range above"),
         }
     }
 
@@ -105,7 +110,7 @@ impl StreamFrees {
             self.blocks_by_size.range((rounded, 0)..=(rounded, u64::MAX)).next_back()?;
         match self.remove(seq) {
             Pending::Block { ptr, arena, offset, .. } => Some((ptr, arena, offset)),
-            Pending::Range { .. } => unreachable!("size index points at a range"),
+            Pending::Range { .. } | Pending::Mark => unreachable!("size index points at a range"),
         }
     }
 

@@ -1,6 +1,8 @@
 //! The virtual-address space's bookkeeping: reservations, the bump frontier where fresh mappings
 //! go, retired ranges waiting for their batched unmap, and recycled addresses (unmapped, so no
-//! stale translation of them can exist) to use once the frontier runs out. Pure bookkeeping.
+//! stale translation of them can exist) to use once the frontier runs out. Growable allocations
+//! own *private* reservations: their retired tails are unmapped by the same batches, but their
+//! addresses go back to their owner, never to the recycled list. Pure bookkeeping.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -30,6 +32,8 @@ pub(crate) struct UnmapRun {
 pub(crate) struct VaSpace {
     /// (base, len) of every reservation.
     reservations: Vec<(u64, u64)>,
+    /// (base, len) of every private reservation (one per growable allocation).
+    private: Vec<(u64, u64)>,
     /// Next fresh address and the end of the reservation it is in.
     frontier: u64,
     frontier_end: u64,
@@ -77,16 +81,63 @@ impl VaSpace {
         Some(start)
     }
 
-    /// The reservation holding `va`, as its base.
+    /// The reservation (shared or private) holding `va`, as its base.
     fn reservation_of(&self, va: u64) -> Option<u64> {
-        self.reservations.iter().find(|&&(b, l)| va >= b && va < b + l).map(|r| r.0)
+        self.reservations
+            .iter()
+            .chain(&self.private)
+            .find(|&&(b, l)| va >= b && va < b + l)
+            .map(|r| r.0)
     }
 
-    /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse. Free
-    /// neighbours merge, but never across two reservations, even adjacent ones: a mapping must
+    /// Adds a private reservation, owned by one growable allocation.
+    pub fn add_private(&mut self, base: u64, len: u64) {
+        self.private.push((base, len));
+    }
+
+    /// Forgets a private reservation (its owner freed it; nothing in it is mapped or retired).
+    pub fn remove_private(&mut self, base: u64) {
+        debug_assert!(!self
+            .retired
+            .iter()
+            .any(|r| r.va >= base && self.reservation_of(r.va) == Some(base)));
+        self.private.retain(|r| r.0 != base);
+    }
+
+    pub fn private_reservations(&self) -> &[(u64, u64)] {
+        &self.private
+    }
+
+    pub fn is_private(&self, va: u64) -> bool {
+        self.private.iter().any(|&(b, l)| va >= b && va < b + l)
+    }
+
+    /// Whether a retired range (or one being unmapped, which the caller tracks) overlaps
+    /// `[va, va + len)`.
+    pub fn retired_overlaps(&self, va: u64, len: u64) -> bool {
+        self.retired.iter().any(|r| r.va < va + len && va < r.va + r.len)
+    }
+
+    /// Takes the retired range that starts exactly at `va`, if any.
+    pub fn take_retired_at(&mut self, va: u64) -> Option<Retired> {
+        let i = self.retired.iter().position(|r| r.va == va)?;
+        let r = self.retired.remove(i).expect("position is in range");
+        self.retired_bytes -= r.len;
+        if self.retired.is_empty() {
+            self.retired_since = None;
+        }
+        Some(r)
+    }
+
+    /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse; those of a
+    /// private reservation stay with its owner. Free neighbours merge, but never across two reservations, even adjacent ones: a mapping must
     /// lie inside one reservation.
     pub fn recycle(&mut self, mut va: u64, mut len: u64) {
         debug_assert!(len > 0);
+        if self.is_private(va) {
+            // A growable allocation's addresses: its owner maps them again, in place.
+            return;
+        }
         let home = self.reservation_of(va);
         if let Some((&prev, &plen)) = self.recycled.range(..va).next_back() {
             debug_assert!(prev + plen <= va, "recycled ranges overlap");

@@ -3,6 +3,7 @@
 //! (new ranges, events, unmaps, releases) is planned under the lock, run without it, and
 //! committed under it again, so no lock a request needs is ever held across a driver call.
 
+mod growable;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +20,15 @@ use crate::error::{Error, Result};
 const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long it sleeps between looks while it waits.
 const WAIT_STEP: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// The error of a request that waited `MAX_WAIT` for other threads' unmaps or plans.
+fn gave_up() -> Error {
+    Error::Driver(DriverError::new(
+        crate::driver::CallKind::Unmap,
+        crate::driver::code::UNKNOWN,
+        "gave up after 10 s waiting for unmaps or plans in flight on other threads",
+    ))
+}
 
 /// What the allocator's handle and its background worker share.
 #[derive(Debug)]
@@ -99,6 +109,10 @@ impl Shared {
     /// Frees at once (the caller guarantees the device is done with it).
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         let mut heap = self.heap();
+        if heap.is_growable(ptr) {
+            drop(heap);
+            return self.release_growable(ptr, None);
+        }
         let r = heap.free_now(ptr);
         self.validated(&heap);
         r
@@ -110,6 +124,10 @@ impl Shared {
         self.refuse_capture(stream)?;
         let (epoch, spare) = {
             let mut heap = self.heap();
+            if heap.is_growable(ptr) {
+                drop(heap);
+                return self.release_growable(ptr, Some(stream.0));
+            }
             let r = heap.free_on_stream(ptr, stream.0);
             self.validated(&heap);
             r?
@@ -176,27 +194,30 @@ impl Shared {
                     }
                 }
                 Step::OutOfMemory(e) => {
-                    if self.heap().has_inflight() {
-                        // Pages are on their way into the window (or another request's plan
-                        // failed and is returning them): wait for them to land.
-                        std::thread::sleep(WAIT_STEP);
-                        continue;
+                    if !self.before_oom(&mut waited)? {
+                        self.heap().note_oom(requested, stream);
+                        return Err(e);
                     }
-                    if !waited && self.heap().has_pending_frees() {
-                        waited = true;
-                        self.wait_for_pending_frees()?;
-                        continue;
-                    }
-                    self.heap().note_oom(requested, stream);
-                    return Err(e);
                 }
             }
         }
-        Err(Error::Driver(DriverError::new(
-            crate::driver::CallKind::Unmap,
-            crate::driver::code::UNKNOWN,
-            "gave up after 10 s waiting for unmaps or plans in flight on other threads",
-        )))
+        Err(gave_up())
+    }
+
+    /// What a request short of memory tries before it reports OOM: waiting for plans in flight
+    /// (pages on their way into the window, or a failed plan returning them), then once for
+    /// every stream's pending frees. Returns whether to plan again.
+    fn before_oom(&self, waited: &mut bool) -> Result<bool> {
+        if self.heap().has_inflight() {
+            std::thread::sleep(WAIT_STEP);
+            return Ok(true);
+        }
+        if !*waited && self.heap().has_pending_frees() {
+            *waited = true;
+            self.wait_for_pending_frees()?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     // ---- events ---------------------------------------------------------------------------------
@@ -262,6 +283,9 @@ impl Shared {
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
+        drop(heap);
+        self.free_dead_growables();
+        let mut heap = self.heap();
         match error {
             Some(e) => {
                 // Reported here: the caller asked for the flush.
