@@ -212,7 +212,37 @@ typedef struct mb_stats {
    * `cuMemAddressReserve` calls.
    */
   uint64_t reserve_calls;
+  /**
+   * Bytes of pages committed to growable allocations.
+   */
+  struct mb_stat growable_committed_bytes;
+  /**
+   * Resizes of growable allocations that mapped or gave back pages (none copies).
+   */
+  uint64_t growable_resizes;
 } mb_stats;
+
+/**
+ * The sizes of a growable allocation, in bytes (`mb_get_growable_info`).
+ */
+typedef struct mb_growable_info {
+  /**
+   * Its address, fixed for its life.
+   */
+  uint64_t base;
+  /**
+   * Addresses reserved: the most it can grow to.
+   */
+  uint64_t capacity;
+  /**
+   * The size of the last resize.
+   */
+  uint64_t size;
+  /**
+   * Bytes backed by physical pages.
+   */
+  uint64_t committed;
+} mb_growable_info;
 
 #ifdef __cplusplus
 extern "C" {
@@ -360,6 +390,55 @@ const char *mb_status_string(int status);
  * MoonBright's version, as "MAJOR.MINOR.PATCH". Static; never NULL.
  */
 const char *mb_version(void);
+
+/**
+ * Reserves `capacity` bytes of addresses (rounded up to pages) for a growable allocation and
+ * stores its address, which never changes, in `*out_ptr`. No physical memory is used until it
+ * grows. `mb_free` or `mb_free_async` releases it.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for NULL arguments or a capacity of 0,
+ * `MB_ERR_OUT_OF_MEMORY` when the address space cannot hold it, `MB_ERR_DRIVER` when the
+ * reservation fails.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_ptr` is NULL or valid for a write.
+ */
+int mb_reserve_growable(struct mb_allocator *alloc, size_t capacity, uint64_t *out_ptr);
+
+/**
+ * Resizes the growable allocation at `ptr` to `len` bytes in `stream`'s order (a `CUstream`,
+ * NULL for the default stream), in place: growing maps pages at its end, none while the pages
+ * already committed hold `len`; shrinking gives back whole chunks beyond `len`, reusable by other
+ * streams once the work queued on `stream` before this call has completed. Nothing is copied.
+ *
+ * Returns `MB_ERR_TOO_LARGE` beyond its capacity, `MB_ERR_INVALID_POINTER` for a pointer that
+ * is not a live growable allocation, `MB_ERR_OUT_OF_MEMORY` when not enough memory is free,
+ * `MB_ERR_STREAM_CAPTURE` while `stream` is being captured, `MB_ERR_DRIVER` when a driver call
+ * fails. On failure nothing changes.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `stream` is NULL or a live stream.
+ */
+int mb_resize_async(struct mb_allocator *alloc, uint64_t ptr, size_t len, void *stream);
+
+/**
+ * `mb_resize_async` for a caller that orders device work itself (as `mb_free`): what a shrink
+ * gives back is reusable at once.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_resize(struct mb_allocator *alloc, uint64_t ptr, size_t len);
+
+/**
+ * Stores the sizes of the growable allocation at `ptr` in `*out`.
+ *
+ * Returns `MB_ERR_INVALID_POINTER` for a pointer that is not a live growable allocation.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write.
+ */
+int mb_get_growable_info(struct mb_allocator *alloc, uint64_t ptr, struct mb_growable_info *out);
 
 #ifdef __cplusplus
 }  // extern "C"

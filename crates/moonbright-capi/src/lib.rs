@@ -17,6 +17,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 
+mod growable;
+pub use growable::*;
+
 /// Success.
 pub const MB_OK: c_int = 0;
 /// A NULL pointer argument, a size of 0, or a bad option value (the last error names it).
@@ -127,6 +130,10 @@ pub struct mb_stats {
     pub release_calls: u64,
     /// `cuMemAddressReserve` calls.
     pub reserve_calls: u64,
+    /// Bytes of pages committed to growable allocations.
+    pub growable_committed_bytes: mb_stat,
+    /// Resizes of growable allocations that mapped or gave back pages (none copies).
+    pub growable_resizes: u64,
 }
 
 impl From<Stat> for mb_stat {
@@ -157,6 +164,8 @@ impl From<&Stats> for mb_stats {
             create_calls: calls(CallKind::Create),
             release_calls: calls(CallKind::Release),
             reserve_calls: calls(CallKind::Reserve),
+            growable_committed_bytes: s.growable_committed_bytes.into(),
+            growable_resizes: s.growable_resizes,
         }
     }
 }
@@ -189,11 +198,13 @@ impl Failure {
 fn status_of(e: &Error) -> c_int {
     match e {
         Error::OutOfMemory { .. } | Error::AddressSpaceExhausted { .. } => MB_ERR_OUT_OF_MEMORY,
-        Error::TooLarge { .. } => MB_ERR_TOO_LARGE,
+        Error::TooLarge { .. } | Error::BeyondCapacity { .. } => MB_ERR_TOO_LARGE,
         Error::ZeroSize | Error::InvalidOption { .. } => MB_ERR_INVALID_ARGUMENT,
-        Error::UnknownPointer { .. } | Error::DoubleFree { .. } | Error::InteriorPointer { .. } => {
-            MB_ERR_INVALID_POINTER
-        }
+        Error::UnknownPointer { .. }
+        | Error::DoubleFree { .. }
+        | Error::InteriorPointer { .. }
+        | Error::NotGrowable { .. }
+        | Error::Released { .. } => MB_ERR_INVALID_POINTER,
         Error::NoBackend(_) => MB_ERR_NO_BACKEND,
         Error::StreamCapture { .. } => MB_ERR_STREAM_CAPTURE,
         Error::Driver(_) => MB_ERR_DRIVER,

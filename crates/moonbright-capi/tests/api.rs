@@ -385,3 +385,37 @@ fn stream_ordered_malloc_and_free() {
     // SAFETY: `a` came from `mb_create` and is destroyed once.
     assert_eq!(unsafe { mb_destroy(a) }, MB_OK);
 }
+
+#[test]
+fn growable_reserve_resize_info_release() {
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`.
+    unsafe {
+        let a = create(&host_options());
+        let page = 64u64 << 10;
+        let mut g = 0u64;
+        assert_eq!(mb_reserve_growable(a, (40 * page) as usize, &mut g), MB_OK, "{}", last_error());
+        assert_eq!(stats(a).reserved_bytes.current, 0);
+        assert_eq!(mb_resize_async(a, g, (3 * page + 1) as usize, ptr::null_mut()), MB_OK);
+        let mut info = mb_growable_info::default();
+        assert_eq!(mb_get_growable_info(a, g, &mut info), MB_OK);
+        assert_eq!((info.base, info.capacity, info.size), (g, 40 * page, 3 * page + 1));
+        assert!(info.committed >= 4 * page);
+        assert_eq!(stats(a).growable_committed_bytes.current, info.committed);
+        assert_eq!(mb_resize(a, g, (40 * page + 1) as usize), MB_ERR_TOO_LARGE);
+        assert!(last_error().contains("capacity"), "{}", last_error());
+        assert_eq!(mb_resize(a, g, page as usize), MB_OK);
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 100, &mut p), MB_OK);
+        assert_eq!(mb_resize(a, p, 100), MB_ERR_INVALID_POINTER);
+        assert_eq!(mb_get_growable_info(a, p, &mut info), MB_ERR_INVALID_POINTER);
+        assert_eq!(mb_get_growable_info(a, g, ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_reserve_growable(a, 0, &mut g), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_free_async(a, g, ptr::null_mut()), MB_OK);
+        assert_eq!(mb_resize(a, g, page as usize), MB_ERR_INVALID_POINTER);
+        assert!(last_error().contains("released"), "{}", last_error());
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(stats(a).growable_committed_bytes.current, 0);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
