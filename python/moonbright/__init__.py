@@ -36,6 +36,7 @@ from . import _moonbright
 from ._moonbright import (
     CONF_KEYS,
     ENV_VAR,
+    Growable,
     __version__,
     backend,
     cap,
@@ -57,6 +58,7 @@ from ._moonbright import (
 __all__ = [
     "CONF_KEYS",
     "ENV_VAR",
+    "Growable",
     "__version__",
     "backend",
     "cap",

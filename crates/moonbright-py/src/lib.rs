@@ -6,6 +6,8 @@
 //! unwind: a panic or an error returns null (or is ignored, for free) and leaves its message
 //! for `last_error()`.
 
+mod growable;
+
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -389,6 +391,8 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
         ("unmap_batches", s.unmap_batches),
         ("unmap_calls_in_batches", s.unmap_calls_in_batches),
         ("deferred_errors", s.deferred_errors),
+        ("growable_resizes", s.growable_resizes),
+        ("growable_reclaims", s.growable_reclaims),
         ("cap_bytes", cap),
         ("page_size", page as u64),
         ("driver_calls.total", s.driver_calls.total()),
@@ -584,6 +588,7 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "CONF_KEYS",
         conf::KEYS.iter().map(|(k, a)| (k.to_string(), a.to_string())).collect::<Vec<_>>(),
     )?;
+    m.add_class::<growable::Growable>()?;
     m.add_function(wrap_pyfunction!(configure, m)?)?;
     m.add_function(wrap_pyfunction!(parse_conf, m)?)?;
     m.add_function(wrap_pyfunction!(options, m)?)?;
