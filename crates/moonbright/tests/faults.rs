@@ -48,7 +48,49 @@ fn workload(a: &Allocator, seed: u64, ops: usize) -> usize {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut live: Vec<(u64, usize, u64)> = Vec::new();
     let mut failed = 0;
+    // A growable allocation beside them: (address, its first page stamped with this id).
+    let mut grow: Option<(u64, Option<u64>)> = None;
     for id in 0..ops as u64 {
+        if rng.gen_bool(0.15) {
+            match grow {
+                None => match a.reserve_growable(16 * PAGE) {
+                    Ok(g) => grow = Some((g, None)),
+                    Err(Error::Driver(e)) => {
+                        assert_eq!(e.message, "injected failure", "{e}");
+                        failed += 1;
+                    }
+                    Err(e) => panic!("unexpected error: {e}"),
+                },
+                Some((g, stamped)) => {
+                    if let Some(sid) = stamped {
+                        assert!(verify(a, g, PAGE, sid).unwrap(), "growable lost its bytes");
+                    }
+                    if rng.gen_bool(0.1) {
+                        a.free(g).unwrap();
+                        grow = None;
+                    } else {
+                        let len = rng.gen_range(0..16 * PAGE);
+                        match a.resize(g, len) {
+                            Ok(()) if len >= PAGE => {
+                                if stamped.is_none() {
+                                    stamp(a, g, PAGE, id).unwrap();
+                                    grow = Some((g, Some(id)));
+                                }
+                            }
+                            Ok(()) => grow = Some((g, None)),
+                            Err(Error::Driver(e)) => {
+                                assert_eq!(e.message, "injected failure", "{e}");
+                                failed += 1;
+                            }
+                            Err(Error::OutOfMemory { .. }) => {}
+                            Err(e) => panic!("unexpected error: {e}"),
+                        }
+                    }
+                }
+            }
+            books_agree(a);
+            continue;
+        }
         if rng.gen_bool(0.6) || live.is_empty() {
             let size = match rng.gen_range(0..4) {
                 0 => rng.gen_range(1..PAGE),
@@ -85,6 +127,9 @@ fn workload(a: &Allocator, seed: u64, ops: usize) -> usize {
         assert!(verify(a, p, size, id).unwrap(), "allocation {id} lost its bytes");
         a.free(p).unwrap();
     }
+    if let Some((g, _)) = grow {
+        a.free(g).unwrap();
+    }
     failed
 }
 
@@ -117,12 +162,13 @@ fn fail_each_position(kind: CallKind) {
         a.driver().fail_nth(kind, n, None);
         seen_failures += workload(&a, 7, 250);
         drains_clean(&a);
-        // Unmap failures are deferred: they surface as a recorded error, not a failed request.
-        if kind == CallKind::Unmap {
+        // Unmap failures (and those freeing a released growable's addresses) are deferred: they
+        // surface as a recorded error, not a failed request.
+        if matches!(kind, CallKind::Unmap | CallKind::FreeReservation) {
             let _ = a.take_deferred_error();
         }
     }
-    if !matches!(kind, CallKind::Unmap | CallKind::Release) {
+    if !matches!(kind, CallKind::Unmap | CallKind::Release | CallKind::FreeReservation) {
         assert!(seen_failures > 0, "no request failed from an injected {kind} failure");
     }
 }
@@ -150,6 +196,11 @@ fn unmap_failures() {
 #[test]
 fn release_failures() {
     fail_each_position(CallKind::Release);
+}
+
+#[test]
+fn free_reservation_failures() {
+    fail_each_position(CallKind::FreeReservation);
 }
 
 #[test]

@@ -282,3 +282,24 @@ fn growables_and_allocations_share_the_pool_across_threads() {
     books_agree(&a);
     assert_eq!(a.stats().allocations.current, 0);
 }
+
+#[test]
+fn a_shrink_whose_event_cannot_be_recorded_loses_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = a.driver().create_stream().unwrap();
+    let g = a.reserve_growable(32 * PAGE).unwrap();
+    a.resize_async(g, 32 * PAGE, s).unwrap();
+    a.driver().fail_nth(CallKind::EventRecord, 1, None);
+    a.resize_async(g, 4 * PAGE, s).unwrap();
+    assert!(a.take_deferred_error().is_some(), "the failed record was not reported");
+    books_agree(&a);
+    // The next poll records the missing event; then the pages serve another request.
+    a.poll();
+    a.poll();
+    let created = a.stats().driver_calls.get(CallKind::Create);
+    let p = a.malloc(28 * PAGE).unwrap();
+    assert_eq!(a.stats().driver_calls.get(CallKind::Create), created);
+    a.free(p).unwrap();
+    a.free_async(g, s).unwrap();
+    books_agree(&a);
+}
