@@ -27,6 +27,7 @@ if want rust; then
   run unit-cuda 120 "$bin/unit" driver::cuda --test-threads 1
   run conformance-cuda 300 "$bin/conformance" cuda:: --test-threads 1
   run capture-cuda 60 "$bin/capture" --nocapture
+  run growable-cuda 120 "$bin/growable" cuda_ --test-threads 1
 fi
 if want demo; then
   run demo-cuda 120 "$bin/moonbright" demo --backend cuda --cap-mib 16384 --block-mib 64
