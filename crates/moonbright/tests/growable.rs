@@ -303,3 +303,22 @@ fn a_shrink_whose_event_cannot_be_recorded_loses_nothing() {
     a.free_async(g, s).unwrap();
     books_agree(&a);
 }
+
+#[test]
+fn the_shrinking_stream_reuses_the_pages_at_once() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = a.driver().create_stream().unwrap();
+    let g = a.reserve_growable(64 * PAGE).unwrap();
+    a.resize_async(g, 64 * PAGE, s).unwrap();
+    host(&a).hold_stream(s);
+    a.resize_async(g, 16 * PAGE, s).unwrap();
+    let created = a.stats().driver_calls.get(CallKind::Create);
+    let p = a.malloc_async(48 * PAGE, s).unwrap();
+    assert_eq!(a.stats().driver_calls.get(CallKind::Create), created, "new chunks were made");
+    books_agree(&a);
+    host(&a).release_stream(s);
+    a.free_async(p, s).unwrap();
+    a.free_async(g, s).unwrap();
+    a.poll();
+    books_agree(&a);
+}

@@ -572,15 +572,27 @@ impl Heap {
         self.pool.bare_pages() + self.cached_pages + self.window.pages() + self.headroom()
     }
 
+    /// Pages free for a new range on `stream`: those free for everyone, and the chunks the
+    /// stream itself gave back that wait in the quarantine.
+    fn free_pages_for(&self, stream: u64) -> u64 {
+        let own: u64 = self
+            .quarantine
+            .iter()
+            .filter(|q| q.1 == stream)
+            .map(|q| self.pool.get(q.0).pages)
+            .sum();
+        self.free_pages() + own
+    }
+
     /// Plans a new range of `pages` pages at a fresh address, claiming what it uses.
     pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
-        let free = self.free_pages();
+        let free = self.free_pages_for(stream);
         if free < pages {
             return Step::OutOfMemory(self.out_of_memory(requested, pages - free));
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
-            if self.va.retired_count() > 0 || self.unmapping > 0 {
+            if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
                 return Step::Flush;
             }
             let size = self.lim.reserve_bytes.max(len);
@@ -623,6 +635,19 @@ impl Heap {
             }
             if self.window.pages() > 0 {
                 self.steal_window(left);
+                continue;
+            }
+            // Chunks the stream itself gave back (a growable's shrink): stream order makes them
+            // safe for it at once. If the plan fails they return to the quarantine.
+            if let Some(i) = self
+                .quarantine
+                .iter()
+                .position(|q| q.1 == stream && self.pool.get(q.0).pages <= left)
+            {
+                let q = self.quarantine.swap_remove(i);
+                left -= self.pool.get(q.0).pages;
+                got.push(q.0);
+                same_stream.push(q);
                 continue;
             }
             // The stream's own pending frees: its later work is ordered after its earlier work,
@@ -949,7 +974,7 @@ impl Heap {
                 for c in got {
                     self.pool.put_bare(c);
                 }
-                if self.va.retired_count() > 0 || self.unmapping > 0 {
+                if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
                     return Some(Step::Flush);
                 }
                 let size = self.lim.reserve_bytes.max(slab);

@@ -164,6 +164,12 @@ impl VaSpace {
         self.retired.push_back(r);
     }
 
+    /// Whether an unmap batch could give shared addresses back: some retired range lies outside
+    /// the private reservations.
+    pub fn has_retired_shared(&self) -> bool {
+        self.retired.iter().any(|r| !self.is_private(r.va))
+    }
+
     pub fn retired_count(&self) -> usize {
         self.retired.len()
     }

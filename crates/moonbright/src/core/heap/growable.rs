@@ -129,7 +129,7 @@ impl Heap {
         if self.va.retired_overlaps(va, need_len) {
             return Ok(Resize::Flush);
         }
-        let free = self.free_pages();
+        let free = self.free_pages_for(s);
         if free < need {
             return Ok(Resize::OutOfMemory(self.out_of_memory(need_len, need - free)));
         }
