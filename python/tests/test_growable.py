@@ -24,6 +24,9 @@ def test_grows_in_place_and_keeps_its_bytes():
     assert stats["moonbright.growable_committed_bytes.current"] == 40 * page
     assert stats["moonbright.growable_resizes"] > before["moonbright.growable_resizes"]
     assert stats["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == 40 * page
+    segs = [s for s in moonbright.snapshot()["segments"] if s["address"] == g.ptr]
+    assert len(segs) == 1 and segs[0]["moonbright_kind"] == "growable", segs
+    assert segs[0]["total_size"] == 40 * page and segs[0]["allocated_size"] == 40 * page
     g.resize(page)
     assert g.committed < 40 * page
     g.release()

@@ -1194,6 +1194,8 @@ impl Heap {
                 blocks: filled,
             });
         }
+        out.extend(self.growable_segments());
+        out.sort_by_key(|seg| seg.addr);
         out
     }
 

@@ -13,6 +13,7 @@
 
 use super::{Heap, Step};
 use crate::allocator::GrowableInfo;
+use crate::core::history::{BlockInfo, BlockState, SegmentInfo};
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
 use crate::core::streams::Pending;
@@ -279,6 +280,42 @@ impl Heap {
             g.committed += r.len / page;
             g.chunks.extend(r.chunks);
         }
+    }
+
+    /// Each growable with committed pages as a segment: its size as one active block, the rest
+    /// of its committed pages inactive.
+    pub(super) fn growable_segments(&self) -> Vec<SegmentInfo> {
+        let page = self.lim.page;
+        let mut out = Vec::new();
+        for g in self.growables.values().filter(|g| g.committed > 0) {
+            let size = g.committed * page;
+            let mut blocks = Vec::new();
+            if g.size > 0 {
+                blocks.push(BlockInfo {
+                    addr: g.base,
+                    size: g.size,
+                    requested_size: g.size,
+                    state: BlockState::ActiveAllocated,
+                });
+            }
+            if g.size < size {
+                blocks.push(BlockInfo {
+                    addr: g.base + g.size,
+                    size: size - g.size,
+                    requested_size: 0,
+                    state: BlockState::Inactive,
+                });
+            }
+            out.push(SegmentInfo {
+                addr: g.base,
+                size,
+                stream: 0,
+                kind: "growable",
+                chunks: g.chunks.len(),
+                blocks,
+            });
+        }
+        out
     }
 
     /// Adds the growables to the checks of `Heap::check`: chunk owners and mappings, mapped
