@@ -127,7 +127,8 @@ impl Growable {
     }
 
     /// The whole capacity as a one-dimensional uint8 array (version 3 of the interface).
-    /// Device work may touch only the first `committed` bytes.
+    /// Device work may touch only the first `committed` bytes. Resize before viewing it: PyTorch
+    /// asks the driver about the first byte, which must be mapped.
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.live()?;

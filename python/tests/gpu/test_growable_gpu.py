@@ -20,11 +20,12 @@ def test_growable_views_grow_in_place_under_pytorch():
         page = moonbright.page_size()
         s = torch.cuda.current_stream()
         g = moonbright.Growable(64 * page)
+        # PyTorch asks the driver about the first byte: commit before viewing.
+        g.resize(3 * page, stream=s.cuda_stream)
         whole = torch.as_tensor(g, device="cuda")          # uint8 over the capacity, no copy
         assert whole.data_ptr() == g.ptr and whole.numel() == g.capacity
         f = whole.view(torch.float32)
         n = page // 4
-        g.resize(3 * page, stream=s.cuda_stream)
         f[: 3 * n] = torch.arange(3 * n, device="cuda", dtype=torch.float32)
         ok = True
         for pages in (7, 19, 64):
