@@ -44,7 +44,7 @@ if want stress; then
   grep -E "^==|FAILED|PASSED" "$out/bench-steps.log" | head
 fi
 if want py; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
   run python-gpu 400 env PYTHONPATH=/tmp/site python3 -m pytest -x -q python/tests/gpu
 fi
 tar czf "${OUT:-gpu-out}/check.tgz" -C "$out" .
