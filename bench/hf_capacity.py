@@ -26,7 +26,6 @@ script itself.
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import sys
