@@ -6,7 +6,8 @@
 #
 #   bash bench/hf-h200.sh             # everything (about 8 minutes)
 #   bash bench/hf-h200.sh 256         # only the 256-token runs (about 3.5 minutes)
-#   bash bench/hf-h200.sh 1024        # only the 1024-token runs (starts from the 256 results if there)
+#   bash bench/hf-h200.sh 1024        # only the 1024-token runs (starts from the 256 results if there,
+#                                     # or START_default=.. START_expandable=.. etc.)
 #   QUICK=1 bash bench/hf-h200.sh     # at most 3 trials a configuration, resolution 8
 #   ALLOCS="growable moonbright" bash bench/hf-h200.sh 256
 #
@@ -34,8 +35,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
   | tee -a "$out/gpu.txt"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-# First batch of a 1024-token run: 3/4 of the same configuration's 256-token result, if any.
+# First batch of a 1024-token run: START_<alloc> if set (START_growable=80), else 3/4 of the same
+# configuration's 256-token result in this output folder, if any.
 start_for() { # alloc
+  local var="START_$1"
+  [ -n "${!var:-}" ] && { echo "${!var}"; return; }
   "$py" - "$out/hf_$1_256.json" <<'PY' 2>/dev/null
 import json, sys
 best = json.load(open(sys.argv[1]))["best"]
