@@ -2,7 +2,8 @@
 # The GPU checks, on a machine with a GPU and no Rust toolchain, from what scripts/pack-gpu.sh
 # put in carry/. Logs go under ${OUT:-gpu-out}/check and are packed into check.tgz.
 #   bash scripts/gpu-check.sh            # everything
-#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py
+#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py, hf
+# (hf: only the Hugging Face GrowableCache GPU test, which py runs too; it needs transformers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}/check
@@ -46,6 +47,12 @@ fi
 if want py; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
   run python-gpu 400 env PYTHONPATH=/tmp/site python3 -m pytest -x -q python/tests/gpu
+fi
+if want hf; then
+  site=${SITE:-$(mktemp -d)}
+  python3 -m pip install -q --no-index --no-deps --target "$site" carry/wheel/moonbright-*.whl
+  run python-gpu-hf 400 env PYTHONPATH="$site" python3 -m pytest -x -q -rs \
+    python/tests/gpu/test_transformers_gpu.py
 fi
 tar czf "${OUT:-gpu-out}/check.tgz" -C "$out" .
 exit $status

@@ -1,0 +1,173 @@
+"""moonbright.transformers.GrowableCache on a GPU, over real moonbright.Growable buffers (run on
+the H200: python3 -m pytest python/tests/gpu/test_transformers_gpu.py -x -q).
+
+As in test_torch_gpu.py, MoonBright becomes PyTorch's allocator for a whole process, so each
+scenario runs in a fresh Python process and prints a JSON line. Skipped without PyTorch,
+transformers, a CUDA device, or a moonbright built with Growable.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+import moonbright  # noqa: E402
+
+if not hasattr(moonbright, "Growable") and not hasattr(moonbright._moonbright, "Growable"):
+    pytest.skip("this moonbright build has no Growable", allow_module_level=True)
+
+
+def run(code, conf="", timeout=600):
+    env = dict(os.environ)
+    env["MOONBRIGHT_ALLOC_CONF"] = conf
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"no result printed:\n{r.stdout}\n{r.stderr}"
+    return json.loads(lines[-1])
+
+
+GENERATE = """
+import json, torch, moonbright
+if GLOBAL:
+    import moonbright.torch
+    moonbright.torch.enable()
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from moonbright.transformers import GrowableCache
+
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+cfg = LlamaConfig(
+    vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+    attn_implementation=ATTN, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+model = LlamaForCausalLM(cfg).cuda().eval()
+g = torch.Generator().manual_seed(1)
+lengths = [17, 40, 3, 29, 40, 8]
+width = max(lengths)
+ids = torch.zeros((len(lengths), width), dtype=torch.long)
+mask = torch.zeros_like(ids)
+for i, n in enumerate(lengths):
+    ids[i, width - n:] = torch.randint(3, 1000, (n,), generator=g)
+    mask[i, width - n:] = 1
+ids, mask = ids.cuda(), mask.cuda()
+new = 100  # rows of 6 x 2 x 32 float32 = 1.5 KiB: pages are committed as the tokens come
+
+def gen(cache):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+ref = gen(DynamicCache())
+cache = GrowableCache(cfg)
+ptrs = {}
+orig = type(cache.layers[0]).update
+def spy(self, k, v, *a, **kw):
+    keys, values = orig(self, k, v, *a, **kw)
+    ptrs.setdefault(id(self), set()).update({(keys.data_ptr(), self._k.buf.ptr),
+                                             (values.data_ptr(), self._v.buf.ptr)})
+    return keys, values
+type(cache.layers[0]).update = spy
+got = gen(cache)
+type(cache.layers[0]).update = orig
+kv = cache.kv_stats()
+layer = cache.layers[0]
+committed = [s.buf.committed for l in cache.layers for s in (l._k, l._v)]
+stats_during = {k: v for k, v in moonbright.memory_stats().items() if "growable" in k}
+cache.release()
+stats_after = {k: v for k, v in moonbright.memory_stats().items() if "growable" in k}
+print(json.dumps({
+    "same": bool(torch.equal(ref, got)), "kv": kv, "ptrs": [sorted(p) for p in ptrs.values()],
+    "committed": committed, "stats_during": stats_during, "stats_after": stats_after,
+    "row": 6 * 2 * 32 * 4, "tokens": width + new - 1,
+}))
+"""
+
+
+@pytest.mark.parametrize("global_mode", [True, False], ids=["global", "own-allocator"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_generate_matches_dynamic_cache_without_copying(global_mode, attn):
+    r = run(f"GLOBAL = {global_mode}\nATTN = {attn!r}\n" + GENERATE)
+    assert r["same"]
+    kv = r["kv"]
+    assert kv["kv_bytes_copied"] == 0
+    assert kv["kv_bytes_written"] == 2 * 3 * r["tokens"] * r["row"]
+    assert kv["seq_length"] == r["tokens"]
+    # Every view handed to attention starts at its buffer: nothing was ever reallocated.
+    for pairs in r["ptrs"]:
+        assert len(pairs) == 2 and all(view == buf for view, buf in pairs)
+    for c in r["committed"]:
+        assert c >= r["tokens"] * r["row"]
+    assert kv["committed_bytes"] == sum(r["committed"])
+    assert r["stats_during"], "memory_stats() has no growable counters"
+    committed_keys = [k for k in r["stats_after"] if "committed" in k and k.endswith(".current")]
+    for k in committed_keys:
+        assert r["stats_after"][k] == 0, k
+        assert r["stats_during"][k] >= kv["committed_bytes"], k
+
+
+def test_capacity_is_virtual_and_pages_share_the_cap():
+    r = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        from moonbright.transformers import GrowableCache
+        # 1 M tokens x [8, 8, 128] bf16 = 16 GiB per buffer, 32 GiB for K and V: under a 1 GiB cap.
+        cache = GrowableCache(max_cache_len=1 << 20)
+        k = torch.randn(8, 8, 10, 128, device="cuda", dtype=torch.bfloat16)
+        keys, values = cache.update(k, k * 2, 0)
+        ok = bool(torch.equal(keys, k)) and bool(torch.equal(values, k * 2))
+        reserved = torch.cuda.memory_reserved()
+        kv = cache.kv_stats()
+        # Pages come from the pool that serves PyTorch: with most of the cap in tensors, the
+        # cache cannot grow by 128 MiB, and its out-of-memory error is PyTorch's.
+        chunk = torch.zeros(8, 8, 8192, 128, device="cuda", dtype=torch.bfloat16)  # 128 MiB
+        big = torch.empty(768 << 20, dtype=torch.uint8, device="cuda")
+        err = ""
+        try:
+            cache.update(chunk, chunk, 0)
+        except torch.OutOfMemoryError as e:
+            err = str(e)
+        length_after_oom = cache.get_seq_length()
+        del big
+        cache.update(chunk, chunk, 0)  # fits once the tensor is gone
+        length_grown = cache.get_seq_length()
+        cache.crop(10)  # gives back the pages past the first 10 tokens
+        committed_after_crop = cache.kv_stats()["committed_bytes"]
+        more = cache.update(k, k, 0)[0].shape[2]
+        cache.release()
+        del chunk
+        again = torch.empty(900 << 20, dtype=torch.uint8, device="cuda").numel()
+        print(json.dumps({
+            "ok": ok, "reserved": reserved, "kv": kv, "err": err,
+            "length_after_oom": length_after_oom, "length_grown": length_grown,
+            "committed_after_crop": committed_after_crop, "more": more, "again": again,
+        }))
+        """,
+        conf="cap:1GiB",
+    )
+    assert r["ok"]
+    assert r["kv"]["reserved_bytes"] == 2 * (1 << 20) * 8 * 8 * 128 * 2
+    assert r["reserved"] < 1 << 30
+    assert r["kv"]["committed_bytes"] < 64 << 20
+    assert "no pages" in r["err"], r["err"]
+    assert r["length_after_oom"] == 10
+    assert r["length_grown"] == 10 + 8192
+    assert r["committed_after_crop"] < 64 << 20
+    assert r["more"] == 20
+    assert r["again"] == 900 << 20
