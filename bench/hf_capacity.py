@@ -198,7 +198,11 @@ def main():
 
         s = moonbright.memory_stats()
         keep = ("reserved_bytes.all.peak", "allocated_bytes.all.peak", "num_ooms",
-                "moonbright.cap_bytes", "moonbright.reserved_over_allocated_peak")
+                "num_sync_all_streams", "moonbright.cap_bytes",
+                "moonbright.reserved_over_allocated_peak", "moonbright.cache_hits",
+                "moonbright.cached_ranges_stolen", "moonbright.unmap_batches",
+                "moonbright.driver_calls.map", "moonbright.driver_calls.unmap",
+                "moonbright.driver_calls.create", "moonbright.driver_calls.set_access")
         return {k: v for k, v in s.items() if k in keep or "growable" in k}
 
     def make_cache(ids):

@@ -375,7 +375,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
     put_stat(&mut out, "oversize_segments", &zero);
     out.insert("num_alloc_retries".into(), 0);
     out.insert("num_ooms".into(), s.num_ooms as i64);
-    out.insert("num_sync_all_streams".into(), 0);
+    out.insert("num_sync_all_streams".into(), s.pending_free_waits as i64);
     out.insert("num_device_alloc".into(), s.driver_calls.get(CallKind::Map) as i64);
     out.insert("num_device_free".into(), s.driver_calls.get(CallKind::Unmap) as i64);
     out.insert("max_split_size".into(), -1);
@@ -392,6 +392,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
         ("unmap_calls_in_batches", s.unmap_calls_in_batches),
         ("deferred_errors", s.deferred_errors),
         ("growable_resizes", s.growable_resizes),
+        ("pending_free_waits", s.pending_free_waits),
         ("growable_reclaims", s.growable_reclaims),
         ("cap_bytes", cap),
         ("page_size", page as u64),

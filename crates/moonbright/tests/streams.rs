@@ -325,3 +325,25 @@ fn release_unused_races_with_requests_and_itself() {
     a.check_invariants().unwrap();
     assert_eq!(a.stats().allocations.current, 0);
 }
+
+#[test]
+fn a_stream_breaks_up_its_own_larger_pending_free_without_waiting() {
+    // 64 pages, all in one freed range still pending on s0: a smaller request on s0 takes
+    // chunks out of it at once (stream order), with no new chunk and no wait for the event.
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 1);
+    let p = a.malloc_async(64 * PAGE, s[0]).unwrap();
+    host(&a).hold_stream(s[0]);
+    a.free_async(p, s[0]).unwrap();
+    let created = a.stats().driver_calls.get(CallKind::Create);
+    let q = a.malloc_async(12 * PAGE, s[0]).unwrap();
+    let r = a.malloc_async(40 * PAGE, s[0]).unwrap();
+    assert_eq!(a.stats().driver_calls.get(CallKind::Create), created, "new chunks were made");
+    assert_eq!(a.stats().pending_free_waits, 0);
+    a.check_invariants().unwrap();
+    host(&a).release_stream(s[0]);
+    a.free_async(q, s[0]).unwrap();
+    a.free_async(r, s[0]).unwrap();
+    a.poll();
+    a.check_invariants().unwrap();
+}

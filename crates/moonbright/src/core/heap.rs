@@ -379,6 +379,11 @@ impl Heap {
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }
 
+    /// Counts a host wait for pending frees.
+    pub fn note_pending_free_wait(&mut self) {
+        self.stats.pending_free_waits += 1;
+    }
+
     /// Counts an allocation refused for lack of memory.
     pub fn note_oom(&mut self, size: u64, stream: u64) {
         self.stats.num_ooms += 1;
@@ -581,7 +586,8 @@ impl Heap {
             .filter(|q| q.1 == stream)
             .map(|q| self.pool.get(q.0).pages)
             .sum();
-        self.free_pages() + own
+        let pending = self.streams.get(stream).map_or(0, |f| f.range_pages());
+        self.free_pages() + own + pending
     }
 
     /// Plans a new range of `pages` pages at a fresh address, claiming what it uses.
@@ -639,11 +645,14 @@ impl Heap {
             }
             // Chunks the stream itself gave back (a growable's shrink): stream order makes them
             // safe for it at once. If the plan fails they return to the quarantine.
-            if let Some(i) = self
+            let own = self
                 .quarantine
                 .iter()
-                .position(|q| q.1 == stream && self.pool.get(q.0).pages <= left)
-            {
+                .enumerate()
+                .filter(|(_, q)| q.1 == stream && self.pool.get(q.0).pages <= left)
+                .max_by_key(|(_, q)| self.pool.get(q.0).pages)
+                .map(|(i, _)| i);
+            if let Some(i) = own {
                 let q = self.quarantine.swap_remove(i);
                 left -= self.pool.get(q.0).pages;
                 got.push(q.0);
@@ -663,6 +672,12 @@ impl Heap {
                 same_stream.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
                 self.stats.cached_ranges_stolen += 1;
                 self.retire_after(range.va, self.bytes(p), range.chunks, Some((stream, epoch)));
+                continue;
+            }
+            // A larger pending range of the stream's own, with a chunk that fits: break it up.
+            // Its chunks wait in the quarantine, where this stream takes them at once (above)
+            // and others once its work has passed them.
+            if self.break_up_own_pending(stream, left) {
                 continue;
             }
             break;
@@ -702,6 +717,30 @@ impl Heap {
             }
         }
         step
+    }
+
+    /// Breaks up the oldest covered pending range of `stream` that holds a chunk of at most
+    /// `fit` pages: its chunks go to the quarantine under its epoch, its addresses are retired
+    /// after that epoch. Returns whether it found one.
+    fn break_up_own_pending(&mut self, stream: u64, fit: u64) -> bool {
+        let pool = &self.pool;
+        let ranges = &self.ranges;
+        let has_fit = |id: u32| {
+            ranges[id as usize]
+                .as_ref()
+                .is_some_and(|r| r.chunks.iter().any(|&c| pool.get(c).pages <= fit))
+        };
+        let Some((id, pages, epoch)) =
+            self.streams.get_mut(stream).and_then(|f| f.take_covered_range_where(has_fit))
+        else {
+            return false;
+        };
+        self.streams.range_left(pages);
+        let range = self.remove_range(id);
+        self.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
+        self.stats.cached_ranges_stolen += 1;
+        self.retire_after(range.va, self.bytes(pages), range.chunks, Some((stream, epoch)));
+        true
     }
 
     /// Returns chunks a plan gathered but will not use: bare, except those taken from a stream's

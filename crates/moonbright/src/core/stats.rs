@@ -82,6 +82,9 @@ pub struct Stats {
     pub unmap_calls_in_batches: u64,
     /// Requests refused for lack of memory.
     pub num_ooms: u64,
+    /// Times a request short of memory waited on the host for streams' pending frees to
+    /// complete (PyTorch's `num_sync_all_streams`): each one drains the device's queue.
+    pub pending_free_waits: u64,
     /// Driver errors met outside a request (in a deferred unmap, say), recovered by retrying later.
     pub deferred_errors: u64,
     /// Driver calls by kind.

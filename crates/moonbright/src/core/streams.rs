@@ -41,6 +41,8 @@ pub(crate) struct StreamFrees {
     covered: Option<u64>,
     /// The highest epoch known to have completed.
     done: Option<u64>,
+    /// Pages in this stream's pending ranges.
+    range_pages: u64,
 }
 
 impl StreamFrees {
@@ -59,7 +61,10 @@ impl StreamFrees {
         self.next_epoch += 1;
         self.items.insert(seq, Item { epoch, what });
         match what {
-            Pending::Range { pages, .. } => self.ranges_by_size.insert((pages, seq)),
+            Pending::Range { pages, .. } => {
+                self.range_pages += pages;
+                self.ranges_by_size.insert((pages, seq))
+            }
             Pending::Block { rounded, .. } => self.blocks_by_size.insert((rounded, seq)),
             Pending::Mark => true,
         };
@@ -69,7 +74,10 @@ impl StreamFrees {
     fn remove(&mut self, seq: u64) -> Pending {
         let item = self.items.remove(&seq).expect("pending item missing");
         match item.what {
-            Pending::Range { pages, .. } => self.ranges_by_size.remove(&(pages, seq)),
+            Pending::Range { pages, .. } => {
+                self.range_pages -= pages;
+                self.ranges_by_size.remove(&(pages, seq))
+            }
             Pending::Block { rounded, .. } => self.blocks_by_size.remove(&(rounded, seq)),
             Pending::Mark => true,
         };
@@ -97,6 +105,28 @@ impl StreamFrees {
             Pending::Range { id, pages } => Some((id, pages, epoch)),
             Pending::Block { .. } | Pending::Mark => unreachable!("matched a range above"),
         }
+    }
+
+    /// The oldest range whose free an event already covers and that `pick` accepts:
+    /// (range, pages, epoch).
+    pub fn take_covered_range_where(
+        &mut self,
+        pick: impl Fn(u32) -> bool,
+    ) -> Option<(u32, u64, u64)> {
+        let covered = self.covered?;
+        let (&seq, item) = self.items.iter().find(|(_, it)| {
+            it.epoch <= covered && matches!(it.what, Pending::Range { id, .. } if pick(id))
+        })?;
+        let epoch = item.epoch;
+        match self.remove(seq) {
+            Pending::Range { id, pages } => Some((id, pages, epoch)),
+            Pending::Block { .. } | Pending::Mark => unreachable!("matched a range above"),
+        }
+    }
+
+    /// Pages in this stream's pending ranges.
+    pub fn range_pages(&self) -> u64 {
+        self.range_pages
     }
 
     /// Whether the free of `epoch` has completed.

@@ -257,6 +257,7 @@ impl Shared {
 
     /// Waits (on the host, never the device) until every stream's pending frees have completed.
     fn wait_for_pending_frees(&self) -> Result<()> {
+        self.heap().note_pending_free_wait();
         self.record_missing_events();
         let to_wait = self.heap().events_to_query();
         for (stream, events) in to_wait {
