@@ -9,6 +9,9 @@ pub const OP_LEN: u32 = 1;
 /// A [`TableOp`] writing `batch_rows[index]` (index = position in the batch).
 pub const OP_BATCH: u32 = 2;
 
+/// The row of a [`TokenRun`] whose tokens were truncated later in the same step: slots -1.
+pub const DEAD_ROW: u32 = u32::MAX;
+
 /// One write into a device table. A step writes each target at most once, with its final
 /// value, so the kernel may apply all writes in parallel.
 #[repr(C)]

@@ -61,7 +61,9 @@ pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
         name: Some("moonbright_paged.cu".into()),
         ..Default::default()
     };
-    match catch_unwind(AssertUnwindSafe(|| cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), co))) {
+    match catch_unwind(AssertUnwindSafe(|| {
+        cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), co)
+    })) {
         Ok(Ok(ptx)) => Ok(ptx.to_src()),
         Ok(Err(e)) => Err(format!("NVRTC failed to compile the paged kernels: {e:?}")),
         Err(_) => Err("NVRTC panicked (libnvrtc lacks a symbol cudarc needs?)".into()),
@@ -209,7 +211,13 @@ impl DeviceTables {
             Some(i) => i,
             None if n < MAX_RING => {
                 let event = self.driver().create_event().map_err(|e| e.to_string())?;
-                self.ring.push(Staging { host: ptr::null_mut(), device: 0, bytes: 0, event: Some(event), busy: false });
+                self.ring.push(Staging {
+                    host: ptr::null_mut(),
+                    device: 0,
+                    bytes: 0,
+                    event: Some(event),
+                    busy: false,
+                });
                 n
             }
             None => {
@@ -275,7 +283,11 @@ impl DeviceTables {
         // it now (its event completed); the records are plain `repr(C)` words.
         unsafe {
             ptr::copy_nonoverlapping(d.ops.as_ptr().cast::<u8>(), host, n_ops * 12);
-            ptr::copy_nonoverlapping(d.copies.as_ptr().cast::<u8>(), host.add(ops_bytes), n_copies * 8);
+            ptr::copy_nonoverlapping(
+                d.copies.as_ptr().cast::<u8>(),
+                host.add(ops_bytes),
+                n_copies * 8,
+            );
             ptr::copy_nonoverlapping(
                 d.runs.as_ptr().cast::<u8>(),
                 host.add(ops_bytes + copies_bytes),
@@ -312,7 +324,19 @@ impl DeviceTables {
             // live across the call (the driver copies them); every pointer is a buffer of this
             // pool (fixed tables, pages, this staging buffer) that outlives the kernel.
             let r = unsafe {
-                sys::cuLaunchKernel(self.kernels.apply, grid, 1, 1, THREADS, 1, 1, 0, s, args.as_mut_ptr(), ptr::null_mut())
+                sys::cuLaunchKernel(
+                    self.kernels.apply,
+                    grid,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    s,
+                    args.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
             };
             ck(r, "cuLaunchKernel(mb_paged_apply)")?;
         }

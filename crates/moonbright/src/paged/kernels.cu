@@ -47,7 +47,7 @@ __device__ __forceinline__ long long mb_slot(const int* block_table, unsigned in
                                              unsigned int t, unsigned int row, unsigned int pos)
 {
     unsigned int col = pos / t;
-    if (col >= m) return -1;
+    if (col >= m || row == 0xffffffffu) return -1;  // DEAD_ROW: truncated later in the step
     int page = block_table[(unsigned long long)row * m + col];
     if (page < 0) return -1;
     return (long long)page * t + (pos % t);

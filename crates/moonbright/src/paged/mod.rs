@@ -17,7 +17,7 @@ mod store;
 use std::collections::HashMap;
 use std::fmt;
 
-pub use delta::{Delta, PageCopy, TableOp, TokenRun, OP_BATCH, OP_BLOCK, OP_LEN};
+pub use delta::{Delta, PageCopy, TableOp, TokenRun, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_LEN};
 pub use device::{kernel_source, nvrtc_options, NvrtcOptions};
 use ids::FreeIds;
 use reference::HostTables;
@@ -48,6 +48,10 @@ pub enum PagedError {
     /// A fork of a freed sequence.
     #[error("cannot fork sequence {0}: it was freed")]
     ForkOfFreed(SeqId),
+    /// A fork of a sequence whose tokens added this step are not written yet (they are written
+    /// after the commit, and a copy-on-write copy made at the commit would miss them).
+    #[error("cannot fork sequence {0}: it has tokens added this step; commit the step first")]
+    ForkOfUncommitted(SeqId),
     /// A sequence would outgrow its row of the block table.
     #[error(
         "sequence {seq} cannot grow to {requested} tokens: a sequence holds at most {max} \
@@ -177,7 +181,10 @@ impl PagedConfig {
             }
         }
         if self.max_pages > i32::MAX as u32 {
-            return bad(format!("max_pages {} exceeds 2^31 - 1 (page ids are int32)", self.max_pages));
+            return bad(format!(
+                "max_pages {} exceeds 2^31 - 1 (page ids are int32)",
+                self.max_pages
+            ));
         }
         let cells = self.max_seqs as u64 * self.max_pages_per_seq as u64;
         if cells > i32::MAX as u64 {
@@ -248,6 +255,8 @@ pub struct PagedPool<'a> {
     blk_hi: Vec<u32>,
     blk_rows: Vec<u32>,
     len_stamp: Vec<u32>,
+    /// The step in which the row last had tokens added.
+    token_stamp: Vec<u32>,
     len_rows: Vec<u32>,
     bat_stamp: Vec<u32>,
     bat_idx: Vec<u32>,
@@ -356,6 +365,7 @@ impl<'a> PagedPool<'a> {
             blk_hi: vec![0; seqs],
             blk_rows: Vec::new(),
             len_stamp: vec![0; seqs],
+            token_stamp: vec![0; seqs],
             len_rows: Vec::new(),
             bat_stamp: vec![0; seqs],
             bat_idx: Vec::new(),
@@ -550,6 +560,9 @@ impl<'a> PagedPool<'a> {
     pub fn fork(&mut self, parent: SeqId) -> PagedResult<SeqId> {
         self.check_usable()?;
         let prow = self.live_row(parent, "fork")? as usize;
+        if self.token_stamp[prow] == self.step {
+            return Err(PagedError::ForkOfUncommitted(parent));
+        }
         if self.peek_free_row().is_none() {
             return Err(PagedError::TooManySequences { max_seqs: self.cfg.max_seqs });
         }
@@ -596,6 +609,9 @@ impl<'a> PagedPool<'a> {
         }
         self.pages[r] = dropped;
         self.mark_blocks(row, keep, old_np);
+        if self.token_stamp[r] == self.step {
+            self.clip_runs(row, new_len);
+        }
         self.lens[r] = new_len;
         self.tail_shared[r] = new_len % self.cfg.tokens_per_page != 0
             && self.pages[r].last().is_some_and(|&p| self.refs[p as usize] > 1);
@@ -766,7 +782,11 @@ impl<'a> PagedPool<'a> {
                 continue;
             }
             if self.pages[r].len() as u32 != self.lens[r].div_ceil(t) {
-                return Err(format!("row {r}: {} pages for {} tokens", self.pages[r].len(), self.lens[r]));
+                return Err(format!(
+                    "row {r}: {} pages for {} tokens",
+                    self.pages[r].len(),
+                    self.lens[r]
+                ));
             }
             for &p in &self.pages[r] {
                 refs[p as usize] += 1;
@@ -790,7 +810,11 @@ impl<'a> PagedPool<'a> {
             if a > 0 && free {
                 return Err(format!("page {p} is held and free"));
             }
-            if a == 0 && p32 < self.free_pages.limit() && !free && !self.pending_pages.contains(&p32) {
+            if a == 0
+                && p32 < self.free_pages.limit()
+                && !free
+                && !self.pending_pages.contains(&p32)
+            {
                 return Err(format!("page {p} leaked: neither held nor free"));
             }
         }
@@ -835,7 +859,11 @@ impl<'a> PagedPool<'a> {
         }
         let available = free + (self.cfg.max_pages - self.free_pages.limit()) as u64;
         if n > available {
-            return Err(PagedError::OutOfPages { needed: n, available, max_pages: self.cfg.max_pages });
+            return Err(PagedError::OutOfPages {
+                needed: n,
+                available,
+                max_pages: self.cfg.max_pages,
+            });
         }
         let want = self.free_pages.limit() as u64 + (n - free);
         // Grow by at least a quarter of what is committed, by whole granules.
@@ -917,10 +945,37 @@ impl<'a> PagedPool<'a> {
         }
     }
 
+    /// Tokens of `row` added this step at or past `new_len` get no slot (-1): a later extend in
+    /// the same step may add those positions again, and two slots for one position would race.
+    fn clip_runs(&mut self, row: u32, new_len: u32) {
+        let mut i = 0;
+        while i < self.runs.len() {
+            let run = self.runs[i];
+            if run.row == row && run.start + run.len > new_len {
+                if run.start >= new_len {
+                    self.runs[i].row = DEAD_ROW;
+                } else {
+                    let keep = new_len - run.start;
+                    self.runs[i].len = keep;
+                    let rest = TokenRun {
+                        row: DEAD_ROW,
+                        start: 0,
+                        len: run.len - keep,
+                        out: run.out + keep,
+                    };
+                    self.runs.insert(i + 1, rest);
+                    i += 1;
+                }
+            }
+            i += 1;
+        }
+    }
+
     fn push_run(&mut self, row: u32, start: u32, len: u32) {
         if len == 0 {
             return;
         }
+        self.token_stamp[row as usize] = self.step;
         self.runs.push(TokenRun { row, start, len, out: self.explicit_tokens });
         self.explicit_tokens += len;
     }
@@ -967,6 +1022,7 @@ impl<'a> PagedPool<'a> {
             self.blk_stamp.iter_mut().for_each(|s| *s = 0);
             self.len_stamp.iter_mut().for_each(|s| *s = 0);
             self.bat_stamp.iter_mut().for_each(|s| *s = 0);
+            self.token_stamp.iter_mut().for_each(|s| *s = 0);
         }
         self.blk_rows.clear();
         self.len_rows.clear();
@@ -976,9 +1032,9 @@ impl<'a> PagedPool<'a> {
         self.copied_from.clear();
         self.explicit_tokens = 0;
         let applied = match &mut self.applier {
-            Applier::Device(t) => {
-                t.launch(&self.delta, &self.ptrs, &self.cfg, self.stream).map_err(PagedError::Device)
-            }
+            Applier::Device(t) => t
+                .launch(&self.delta, &self.ptrs, &self.cfg, self.stream)
+                .map_err(PagedError::Device),
             Applier::Host(h) => apply_on_host(self.alloc, h, &self.delta, &self.ptrs, &self.cfg),
         };
         if let Err(e) = applied {

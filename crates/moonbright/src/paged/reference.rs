@@ -2,7 +2,7 @@
 //! the block table, lengths, batch list and slot mapping exactly as `kernels.cu` does on the
 //! device. The host backend uses it as its "device"; tests compare the GPU's tables with it.
 
-use super::delta::{Delta, OP_BATCH, OP_BLOCK, OP_LEN};
+use super::delta::{Delta, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_LEN};
 
 /// Host copies of the device tables.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +40,7 @@ impl HostTables {
         let t = self.tokens_per_page;
         let m = self.max_pages_per_seq;
         let col = pos / t;
-        if col >= m {
+        if col >= m || row == DEAD_ROW {
             return -1;
         }
         let page = self.block_table[(row * m + col) as usize];
