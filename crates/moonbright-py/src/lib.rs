@@ -6,6 +6,8 @@
 //! unwind: a panic or an error returns null (or is ignored, for free) and leaves its message
 //! for `last_error()`.
 
+mod paged;
+
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -602,5 +604,6 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_write, m)?)?;
     m.add_function(wrap_pyfunction!(_read, m)?)?;
     m.add_function(wrap_pyfunction!(_set_torch_oom_type, m)?)?;
+    paged::register(m)?;
     Ok(())
 }
