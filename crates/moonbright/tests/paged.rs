@@ -304,13 +304,18 @@ fn cuda_backend_matches_the_reference_after_every_step() {
         max_pages: 40_000,
         max_seqs: 2048,
         max_pages_per_seq: 64,
-        max_step_tokens: 2048 + 4096,
+        max_step_tokens: 2048 + 16384,
     };
     let mut pool = PagedPool::new(&a, cfg.clone(), s).unwrap();
     let mut r = ChaCha8Rng::seed_from_u64(99);
     let mut reference = HostTables::new(cfg.max_seqs, cfg.max_pages_per_seq, cfg.tokens_per_page);
     let mut live: Vec<SeqId> = Vec::new();
     for step in 0..200 {
+        // Forks first: every live sequence's tokens are committed (see ForkOfUncommitted).
+        if step % 10 == 3 && !live.is_empty() {
+            let parent = live[r.gen_range(0..live.len())];
+            live.push(pool.fork(parent).unwrap());
+        }
         while live.len() < 1500 && r.gen_bool(0.9) {
             live.push(pool.add(r.gen_range(1..200)).unwrap());
             if live.len() % 50 == 0 {
@@ -324,10 +329,6 @@ fn cuda_backend_matches_the_reference_after_every_step() {
             let i = r.gen_range(0..live.len());
             let sq = live.swap_remove(i);
             pool.free(sq).unwrap();
-        }
-        if step % 10 == 3 && !live.is_empty() {
-            let parent = live[r.gen_range(0..live.len())];
-            live.push(pool.fork(parent).unwrap());
         }
         pool.decode_step().unwrap();
         reference.apply(pool.last_delta());

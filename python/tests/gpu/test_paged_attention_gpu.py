@@ -17,6 +17,11 @@ import moonbright  # noqa: E402
 if not moonbright.is_initialized():
     # conftest.py points the process at the host backend; this file needs the GPU.
     moonbright.configure(backend="cuda", cap="8GiB", validate=False)
+elif moonbright.backend() != "cuda":
+    pytest.skip(
+        "the allocator of this process was made on the host backend; run this file alone",
+        allow_module_level=True,
+    )
 
 from moonbright.paged import PagedKVPool  # noqa: E402
 
