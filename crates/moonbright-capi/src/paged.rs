@@ -68,9 +68,10 @@ fn paged_status(e: &PagedError) -> c_int {
         InvalidConfig(_) => super::MB_ERR_INVALID_ARGUMENT,
         UnknownSequence(_) => MB_ERR_UNKNOWN_SEQUENCE,
         FreedSequence { .. } | DoubleFree(_) | ForkOfFreed(_) => MB_ERR_FREED_SEQUENCE,
-        SequenceTooLong { .. } | OutOfPages { .. } | TooManySequences { .. } | StepTooLarge { .. } => {
-            MB_ERR_CAPACITY
-        }
+        SequenceTooLong { .. }
+        | OutOfPages { .. }
+        | TooManySequences { .. }
+        | StepTooLarge { .. } => MB_ERR_CAPACITY,
         BadTruncate { .. } | ForkOfUncommitted(_) => MB_ERR_INVALID_REQUEST,
         Device(_) | Poisoned(_) => MB_ERR_DRIVER,
         Alloc(e) => status_of(e),
@@ -156,7 +157,11 @@ pub unsafe extern "C" fn mb_paged_destroy(p: *mut mb_paged) -> c_int {
 /// # Safety
 /// `p` is NULL or a live handle; `out_seq` is NULL or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn mb_paged_add(p: *mut mb_paged, prompt_len: u32, out_seq: *mut u64) -> c_int {
+pub unsafe extern "C" fn mb_paged_add(
+    p: *mut mb_paged,
+    prompt_len: u32,
+    out_seq: *mut u64,
+) -> c_int {
     call(|| {
         // SAFETY: caller's contract.
         let pool = unsafe { pool(p) }?;
@@ -187,7 +192,11 @@ pub unsafe extern "C" fn mb_paged_extend(p: *mut mb_paged, seq: u64, n: u32) -> 
 /// # Safety
 /// `p` is NULL or a live handle; `out_child` is NULL or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn mb_paged_fork(p: *mut mb_paged, parent: u64, out_child: *mut u64) -> c_int {
+pub unsafe extern "C" fn mb_paged_fork(
+    p: *mut mb_paged,
+    parent: u64,
+    out_child: *mut u64,
+) -> c_int {
     call(|| {
         // SAFETY: caller's contract.
         let pool = unsafe { pool(p) }?;

@@ -88,7 +88,10 @@ fn decode_loop_and_bad_requests() {
         assert_eq!(mb_paged_commit(p, ptr::null_mut()), MB_OK);
         let mut released = 0u64;
         assert_eq!(mb_paged_shrink(p, &mut released), MB_OK);
-        assert_eq!(CStr::from_ptr(mb_status_string(MB_ERR_CAPACITY)).to_str().unwrap(), "capacity exceeded");
+        assert_eq!(
+            CStr::from_ptr(mb_status_string(MB_ERR_CAPACITY)).to_str().unwrap(),
+            "capacity exceeded"
+        );
         assert_eq!(mb_paged_destroy(p), MB_OK);
         assert_eq!(mb_destroy(a), MB_OK);
     }
