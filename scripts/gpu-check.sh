@@ -2,7 +2,7 @@
 # The GPU checks, on a machine with a GPU and no Rust toolchain, from what scripts/pack-gpu.sh
 # put in carry/. Logs go under ${OUT:-gpu-out}/check and are packed into check.tgz.
 #   bash scripts/gpu-check.sh            # everything
-#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py, hf
+#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py, paged, hf
 # (hf: only the Hugging Face GrowableCache GPU test, which py runs too; it needs transformers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,9 +10,12 @@ out=${OUT:-gpu-out}/check
 mkdir -p "$out"
 bin=carry/bin
 groups=("$@")
-[ ${#groups[@]} -eq 0 ] && groups=(rust demo replay stress py)
+[ ${#groups[@]} -eq 0 ] && groups=(rust demo replay stress py paged)
 want() { local g; for g in "${groups[@]}"; do [ "$g" = "$1" ] && return 0; done; return 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+# The paged pool compiles its kernels with NVRTC at run time.
+source scripts/nvrtc-env.sh >"$out/nvrtc.txt"
+tee -a "$out/gpu.txt" <"$out/nvrtc.txt"
 status=0
 run() { # name, timeout, command...
   local name=$1 limit=$2; shift 2
@@ -22,7 +25,7 @@ run() { # name, timeout, command...
   else
     echo "== $name: FAILED (status $?, $((SECONDS - t0)) s)"; status=1
   fi
-  grep -E "test result|result:|MoonBright reserved|alloc latency|PASSED|passed|failed" "$out/$name.log" | tail -n 4 | sed 's/^/   /'
+  grep -E "test result|result:|MoonBright reserved|alloc latency|PASSED|passed|failed|skipping|matched" "$out/$name.log" | tail -n 4 | sed 's/^/   /'
 }
 if want rust; then
   run unit-cuda 120 "$bin/unit" driver::cuda --test-threads 1
@@ -53,6 +56,13 @@ if want hf; then
   python3 -m pip install -q --no-index --no-deps --target "$site" carry/wheel/moonbright-*.whl
   run python-gpu-hf 400 env PYTHONPATH="$site" python3 -m pytest -x -q -rs \
     python/tests/gpu/test_transformers_gpu.py
+fi
+if want paged; then
+  run paged-nvrtc 60 "$bin/unit" paged:: --nocapture
+  run paged-cuda 300 "$bin/paged" --test-threads 1 --nocapture
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site carry/wheel/moonbright-*.whl
+  run python-paged 300 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -s \
+    python/tests/gpu/test_paged_attention_gpu.py
 fi
 tar czf "${OUT:-gpu-out}/check.tgz" -C "$out" .
 exit $status

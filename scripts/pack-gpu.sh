@@ -10,7 +10,7 @@ cp target/release/moonbright carry/bin/
 cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json, shutil
 names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams",
-         "capture": "capture", "growable": "growable"}
+         "capture": "capture", "growable": "growable", "paged": "paged"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:

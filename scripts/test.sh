@@ -8,6 +8,12 @@ cd "$(dirname "$0")/.."
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# libnvrtc for the paged kernels' compile test (no GPU needed): PyPI's nvidia-cuda-nvrtc in
+# target/nvrtc. If it cannot be installed, that test skips with a message.
+ls target/nvrtc/nvidia/*/lib/libnvrtc.so* >/dev/null 2>&1 ||
+  python3 -m pip install -q --target target/nvrtc nvidia-cuda-nvrtc ||
+  echo "could not install nvidia-cuda-nvrtc: the NVRTC compile test will skip"
+source scripts/nvrtc-env.sh
 cargo test --workspace --release
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
   cargo test -p moonbright --release --lib loom_model

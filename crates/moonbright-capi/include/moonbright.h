@@ -1,7 +1,7 @@
 /*
  * moonbright.h: the C API of MoonBright, a GPU memory allocator on the CUDA virtual-memory API.
  *
- * Generated from crates/moonbright-capi/src/lib.rs by cbindgen; do not edit by hand.
+ * Generated from crates/moonbright-capi/src/lib.rs and src/paged.rs by cbindgen; do not edit by hand.
  */
 
 #ifndef MOONBRIGHT_H
@@ -73,11 +73,39 @@
 #define MB_BACKEND_HOST 2
 
 /**
+ * An unknown sequence id (never handed out by this pool).
+ */
+#define MB_ERR_UNKNOWN_SEQUENCE 9
+
+/**
+ * A request on a freed sequence: a double free, a fork of a freed sequence, an extend of one.
+ */
+#define MB_ERR_FREED_SEQUENCE 10
+
+/**
+ * A capacity would be exceeded: a sequence's length, the pool's pages, the block table's rows,
+ * or the step's slot mapping.
+ */
+#define MB_ERR_CAPACITY 11
+
+/**
+ * A request that is invalid as asked (a truncation that lengthens, a fork of tokens added
+ * this step before the commit).
+ */
+#define MB_ERR_INVALID_REQUEST 12
+
+/**
  * An allocator (opaque). Made by `mb_create`, destroyed by `mb_destroy`. Any number of threads
  * may call `mb_malloc`, `mb_free` and the other functions on one allocator at once; only
  * `mb_destroy` must not overlap any other call on it.
  */
 typedef struct mb_allocator mb_allocator;
+
+/**
+ * A paged KV pool (opaque). Made by `mb_paged_create`, destroyed by `mb_paged_destroy`, which
+ * must come before `mb_destroy` of its allocator. One thread at a time may call it.
+ */
+typedef struct mb_paged mb_paged;
 
 /**
  * Options of an allocator. Fill with `mb_options_default`, then change what you need. A field
@@ -221,6 +249,63 @@ typedef struct mb_stats {
    */
   uint64_t growable_resizes;
 } mb_stats;
+
+/**
+ * The shape of a paged pool.
+ */
+typedef struct mb_paged_config {
+  /**
+   * Tokens per page (16, say).
+   */
+  uint32_t tokens_per_page;
+  /**
+   * KV bytes per token.
+   */
+  uint64_t bytes_per_token;
+  /**
+   * Capacity of the pool in pages.
+   */
+  uint32_t max_pages;
+  /**
+   * Rows of the block table (sequences alive at once).
+   */
+  uint32_t max_seqs;
+  /**
+   * Columns of the block table (pages per sequence).
+   */
+  uint32_t max_pages_per_seq;
+  /**
+   * Length of the slot mapping (tokens per step).
+   */
+  uint32_t max_step_tokens;
+} mb_paged_config;
+
+/**
+ * Device addresses of a pool's tables and pages; fixed for the pool's life (so CUDA graphs
+ * may capture kernels that read them).
+ */
+typedef struct mb_paged_tables {
+  /**
+   * int32 `[max_seqs][max_pages_per_seq]`, -1 where no page.
+   */
+  uint64_t block_table;
+  /**
+   * int32 `[max_seqs]`: tokens per row.
+   */
+  uint64_t seq_lens;
+  /**
+   * int32 `[max_seqs]`: the batch's rows, in decode-token order.
+   */
+  uint64_t batch_rows;
+  /**
+   * int64 `[max_step_tokens]`: the last step's slot per token (-1: skip).
+   */
+  uint64_t slot_mapping;
+  /**
+   * Page 0 of the KV pages; page `p` is at `pages + p * tokens_per_page * bytes_per_token`.
+   */
+  uint64_t pages;
+} mb_paged_tables;
 
 /**
  * The sizes of a growable allocation, in bytes (`mb_get_growable_info`).
@@ -392,6 +477,120 @@ const char *mb_status_string(int status);
 const char *mb_version(void);
 
 /**
+ * Creates a paged pool of shape `*cfg` on `alloc`, updated on `stream` (a `CUstream`, NULL
+ * for the default stream), and stores it in `*out`. On the CUDA backend this compiles the
+ * table kernels with NVRTC (libnvrtc must be loadable).
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle, which must outlive the pool; `cfg` is NULL or valid;
+ * `out` is NULL or valid for a write.
+ */
+int mb_paged_create(struct mb_allocator *alloc,
+                    const struct mb_paged_config *cfg,
+                    void *stream,
+                    struct mb_paged **out);
+
+/**
+ * Destroys a pool: its tables and pages go back to the allocator in its stream's order. NULL
+ * does nothing.
+ *
+ * # Safety
+ * `p` is NULL or a live handle that no other call uses now or later.
+ */
+int mb_paged_destroy(struct mb_paged *p);
+
+/**
+ * Adds a sequence of `prompt_len` tokens (they get slots this step); its id goes to `*out_seq`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_seq` is NULL or valid for a write.
+ */
+int mb_paged_add(struct mb_paged *p, uint32_t prompt_len, uint64_t *out_seq);
+
+/**
+ * Adds `n` tokens to sequence `seq` (they get slots this step).
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_extend(struct mb_paged *p, uint64_t seq, uint32_t n);
+
+/**
+ * Forks `parent`: the child shares its pages (copy-on-write); its id goes to `*out_child`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_child` is NULL or valid for a write.
+ */
+int mb_paged_fork(struct mb_paged *p, uint64_t parent, uint64_t *out_child);
+
+/**
+ * Shortens `seq` to `new_len` tokens.
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_truncate(struct mb_paged *p, uint64_t seq, uint32_t new_len);
+
+/**
+ * Frees `seq`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_free(struct mb_paged *p, uint64_t seq);
+
+/**
+ * Commits the step: launches the kernels that update the tables on the pool's stream (no host
+ * synchronisation). Stores the step's slot-mapping length in `*out_tokens` unless NULL.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_tokens` is NULL or valid for a write.
+ */
+int mb_paged_commit(struct mb_paged *p, uint32_t *out_tokens);
+
+/**
+ * Extends every live sequence by one token and commits the step (decode tokens come after
+ * the explicit ones in the slot mapping, in `batch_rows` order).
+ *
+ * # Safety
+ * As for `mb_paged_commit`.
+ */
+int mb_paged_decode_step(struct mb_paged *p, uint32_t *out_tokens);
+
+/**
+ * Stores the block-table row of live sequence `seq` in `*out_row`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_row` is NULL or valid for a write.
+ */
+int mb_paged_row(struct mb_paged *p, uint64_t seq, uint32_t *out_row);
+
+/**
+ * Stores the token count of live sequence `seq` in `*out_len`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_len` is NULL or valid for a write.
+ */
+int mb_paged_len(struct mb_paged *p, uint64_t seq, uint32_t *out_len);
+
+/**
+ * Stores the device addresses of the tables and pages in `*out`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out` is NULL or valid for a write.
+ */
+int mb_paged_get_tables(struct mb_paged *p, struct mb_paged_tables *out);
+
+/**
+ * Gives back committed pool memory above the highest page in use; the bytes released go to
+ * `*out_bytes` unless NULL.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_bytes` is NULL or valid for a write.
+ */
+int mb_paged_shrink(struct mb_paged *p, uint64_t *out_bytes);
+
+/**
  * Reserves `capacity` bytes of addresses (rounded up to pages) for a growable allocation and
  * stores its address, which never changes, in `*out_ptr`. No physical memory is used until it
  * grows. `mb_free` or `mb_free_async` releases it.
@@ -439,6 +638,120 @@ int mb_resize(struct mb_allocator *alloc, uint64_t ptr, size_t len);
  * `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write.
  */
 int mb_get_growable_info(struct mb_allocator *alloc, uint64_t ptr, struct mb_growable_info *out);
+
+/**
+ * Creates a paged pool of shape `*cfg` on `alloc`, updated on `stream` (a `CUstream`, NULL
+ * for the default stream), and stores it in `*out`. On the CUDA backend this compiles the
+ * table kernels with NVRTC (libnvrtc must be loadable).
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle, which must outlive the pool; `cfg` is NULL or valid;
+ * `out` is NULL or valid for a write.
+ */
+int mb_paged_create(struct mb_allocator *alloc,
+                    const struct mb_paged_config *cfg,
+                    void *stream,
+                    struct mb_paged **out);
+
+/**
+ * Destroys a pool: its tables and pages go back to the allocator in its stream's order. NULL
+ * does nothing.
+ *
+ * # Safety
+ * `p` is NULL or a live handle that no other call uses now or later.
+ */
+int mb_paged_destroy(struct mb_paged *p);
+
+/**
+ * Adds a sequence of `prompt_len` tokens (they get slots this step); its id goes to `*out_seq`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_seq` is NULL or valid for a write.
+ */
+int mb_paged_add(struct mb_paged *p, uint32_t prompt_len, uint64_t *out_seq);
+
+/**
+ * Adds `n` tokens to sequence `seq` (they get slots this step).
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_extend(struct mb_paged *p, uint64_t seq, uint32_t n);
+
+/**
+ * Forks `parent`: the child shares its pages (copy-on-write); its id goes to `*out_child`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_child` is NULL or valid for a write.
+ */
+int mb_paged_fork(struct mb_paged *p, uint64_t parent, uint64_t *out_child);
+
+/**
+ * Shortens `seq` to `new_len` tokens.
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_truncate(struct mb_paged *p, uint64_t seq, uint32_t new_len);
+
+/**
+ * Frees `seq`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle.
+ */
+int mb_paged_free(struct mb_paged *p, uint64_t seq);
+
+/**
+ * Commits the step: launches the kernels that update the tables on the pool's stream (no host
+ * synchronisation). Stores the step's slot-mapping length in `*out_tokens` unless NULL.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_tokens` is NULL or valid for a write.
+ */
+int mb_paged_commit(struct mb_paged *p, uint32_t *out_tokens);
+
+/**
+ * Extends every live sequence by one token and commits the step (decode tokens come after
+ * the explicit ones in the slot mapping, in `batch_rows` order).
+ *
+ * # Safety
+ * As for `mb_paged_commit`.
+ */
+int mb_paged_decode_step(struct mb_paged *p, uint32_t *out_tokens);
+
+/**
+ * Stores the block-table row of live sequence `seq` in `*out_row`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_row` is NULL or valid for a write.
+ */
+int mb_paged_row(struct mb_paged *p, uint64_t seq, uint32_t *out_row);
+
+/**
+ * Stores the token count of live sequence `seq` in `*out_len`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_len` is NULL or valid for a write.
+ */
+int mb_paged_len(struct mb_paged *p, uint64_t seq, uint32_t *out_len);
+
+/**
+ * Stores the device addresses of the tables and pages in `*out`.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out` is NULL or valid for a write.
+ */
+int mb_paged_get_tables(struct mb_paged *p, struct mb_paged_tables *out);
+
+/**
+ * Gives back committed pool memory above the highest page in use; the bytes released go to
+ * `*out_bytes` unless NULL.
+ *
+ * # Safety
+ * `p` is NULL or a live handle; `out_bytes` is NULL or valid for a write.
+ */
+int mb_paged_shrink(struct mb_paged *p, uint64_t *out_bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

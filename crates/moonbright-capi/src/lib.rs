@@ -15,6 +15,9 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+mod paged;
+pub use paged::*;
+
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 
 mod growable;
@@ -605,6 +608,10 @@ pub extern "C" fn mb_status_string(status: c_int) -> *const c_char {
         MB_ERR_NO_BACKEND => c"no backend available",
         MB_ERR_INTERNAL => c"internal error",
         MB_ERR_STREAM_CAPTURE => c"stream is being captured",
+        MB_ERR_UNKNOWN_SEQUENCE => c"unknown sequence",
+        MB_ERR_FREED_SEQUENCE => c"sequence was freed",
+        MB_ERR_CAPACITY => c"capacity exceeded",
+        MB_ERR_INVALID_REQUEST => c"invalid request",
         _ => c"unknown status",
     };
     s.as_ptr()

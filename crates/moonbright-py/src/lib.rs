@@ -7,6 +7,7 @@
 //! for `last_error()`.
 
 mod growable;
+mod paged;
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
@@ -608,5 +609,6 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_write, m)?)?;
     m.add_function(wrap_pyfunction!(_read, m)?)?;
     m.add_function(wrap_pyfunction!(_set_torch_oom_type, m)?)?;
+    paged::register(m)?;
     Ok(())
 }

@@ -303,6 +303,13 @@ impl CudaDriver {
         self.ctx.0
     }
 
+    /// Makes the device's primary context current on the calling thread, for callers that make
+    /// context-bound calls of their own (the paged pool's kernel launches). Cheap when it is
+    /// current already.
+    pub fn bind_context(&self) -> DriverResult<()> {
+        self.make_current(CallKind::MemInfo)
+    }
+
     /// Makes the primary context current on the calling thread, unless this thread's cache says
     /// it already is. Failures are reported as `kind`, the call that needed the context.
     ///

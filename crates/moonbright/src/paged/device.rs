@@ -1,0 +1,445 @@
+//! The CUDA side of the paged pool: the table kernels (`kernels.cu`) compiled with NVRTC at run
+//! time, loaded once per device context, and their stream-ordered launches. A step's delta goes
+//! through a ring of pinned, device-mapped staging buffers that the kernels read directly; a
+//! buffer is reused only once an event recorded after its kernels has completed (queried, never
+//! waited for).
+
+use std::ffi::{c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+use std::sync::Mutex;
+
+use cudarc::driver::sys;
+
+use super::delta::{Delta, PageCopy, TableOp, TokenRun};
+use super::{PagedConfig, PagedError, PagedResult, TablePointers};
+use crate::driver::cuda::{describe, missing_symbols, CudaDriver};
+use crate::driver::{Driver, EventHandle, StreamHandle};
+
+/// The kernels' CUDA C source.
+pub fn kernel_source() -> &'static str {
+    include_str!("kernels.cu")
+}
+
+/// How NVRTC compiles the kernels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvrtcOptions {
+    /// Compute capability (major, minor); the PTX targets `compute_<major><minor>`.
+    pub arch: (i32, i32),
+    /// Line information for profilers and compute-sanitizer.
+    pub line_info: bool,
+}
+
+/// NVRTC's arguments for `opts`.
+pub fn nvrtc_options(opts: &NvrtcOptions) -> Vec<String> {
+    let mut v = vec![
+        format!("--gpu-architecture=compute_{}{}", opts.arch.0, opts.arch.1),
+        "--std=c++14".to_string(),
+    ];
+    if opts.line_info {
+        v.push("--generate-line-info".into());
+    }
+    v
+}
+
+/// Compiles the kernels to PTX. Fails with a message (never panics) when libnvrtc cannot be
+/// loaded or the compilation fails.
+pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
+    // SAFETY: only tries to dlopen libnvrtc under each candidate name and drops it again.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        let mut names = cudarc::get_lib_name_candidates("nvrtc");
+        names.sort();
+        names.dedup();
+        return Err(format!(
+            "libnvrtc not found on the loader path (tried {}); put the directory of libnvrtc.so \
+             on LD_LIBRARY_PATH (a CUDA 13 install may need a libnvrtc.so link to libnvrtc.so.13)",
+            names.join(", ")
+        ));
+    }
+    let co = cudarc::nvrtc::CompileOptions {
+        options: nvrtc_options(opts),
+        name: Some("moonbright_paged.cu".into()),
+        ..Default::default()
+    };
+    match catch_unwind(AssertUnwindSafe(|| {
+        cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), co)
+    })) {
+        Ok(Ok(ptx)) => Ok(ptx.to_src()),
+        Ok(Err(e)) => Err(format!("NVRTC failed to compile the paged kernels: {e:?}")),
+        Err(_) => Err("NVRTC panicked (libnvrtc lacks a symbol cudarc needs?)".into()),
+    }
+}
+
+/// Every libcuda symbol this file calls.
+const REQUIRED_SYMBOLS: [&str; 8] = [
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemFreeHost",
+];
+
+fn ck(r: sys::CUresult, call: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{call} -> {}", describe(r)))
+    }
+}
+
+/// The two kernels of a loaded module.
+#[derive(Clone, Copy, Debug)]
+struct Kernels {
+    apply: sys::CUfunction,
+    slots: sys::CUfunction,
+}
+// SAFETY: CUfunction handles are opaque, valid while their module is loaded (for good: modules
+// are cached and never unloaded), and usable from any thread with the context current.
+unsafe impl Send for Kernels {}
+
+/// Loaded modules, by context (modules belong to a context; the primary context is shared by
+/// every driver of its device).
+static MODULES: Mutex<Vec<(usize, Kernels)>> = Mutex::new(Vec::new());
+
+fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
+    let missing = missing_symbols(&REQUIRED_SYMBOLS);
+    if !missing.is_empty() {
+        return Err(format!("libcuda lacks {missing:?}"));
+    }
+    d.bind_context().map_err(|e| e.to_string())?;
+    let key = d.context() as usize;
+    let mut cache = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, k)) = cache.iter().find(|(c, _)| *c == key) {
+        return Ok(*k);
+    }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: valid out-pointer; the ordinal is the driver's own.
+    ck(unsafe { sys::cuDeviceGet(&mut dev, d.device()) }, "cuDeviceGet")?;
+    let attr = |a, what: &str| -> Result<i32, String> {
+        let mut v = 0;
+        // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
+        ck(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, what)?;
+        Ok(v)
+    };
+    use sys::CUdevice_attribute::*;
+    let arch = (
+        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "cuDeviceGetAttribute(CC major)")?,
+        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cuDeviceGetAttribute(CC minor)")?,
+    );
+    let ptx = compile_ptx(&NvrtcOptions { arch, line_info: true })?;
+    let image = CString::new(ptx).map_err(|_| "NVRTC produced PTX with a NUL byte")?;
+    let mut module: sys::CUmodule = ptr::null_mut();
+    // SAFETY: `image` is a NUL-terminated PTX image that outlives the call; a context is current.
+    let r = unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) };
+    ck(r, "cuModuleLoadData(paged kernels)")?;
+    let function = |name: &str| -> Result<sys::CUfunction, String> {
+        let c = CString::new(name).expect("no NUL in kernel names");
+        let mut f: sys::CUfunction = ptr::null_mut();
+        // SAFETY: valid out-pointer; the module is loaded; `c` outlives the call.
+        ck(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, name)?;
+        Ok(f)
+    };
+    let k = Kernels { apply: function("mb_paged_apply")?, slots: function("mb_paged_slots")? };
+    cache.push((key, k));
+    Ok(k)
+}
+
+/// One pinned staging buffer of the ring.
+struct Staging {
+    host: *mut u8,
+    device: u64,
+    bytes: usize,
+    /// Recorded after the last kernels that read this buffer.
+    event: Option<EventHandle>,
+    busy: bool,
+}
+
+/// The device-side state of one pool: its kernels and its staging ring.
+pub(crate) struct DeviceTables {
+    kernels: Kernels,
+    ring: Vec<Staging>,
+    next: usize,
+    driver: *const CudaDriver,
+}
+
+// SAFETY: the raw pointers are a pinned host buffer owned by this value (freed in `release`)
+// and the allocator's driver, which outlives the pool (the pool borrows the allocator); nothing
+// here is tied to a thread.
+unsafe impl Send for DeviceTables {}
+
+/// The most staging buffers a pool keeps; past it, a step waits for the oldest.
+const MAX_RING: usize = 64;
+const THREADS: u32 = 256;
+const COPY_BLOCKS: u32 = 4;
+
+fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+impl DeviceTables {
+    pub(crate) fn new(d: &CudaDriver) -> PagedResult<Self> {
+        let kernels = kernels_for(d).map_err(PagedError::Device)?;
+        Ok(DeviceTables { kernels, ring: Vec::new(), next: 0, driver: d })
+    }
+
+    fn driver(&self) -> &CudaDriver {
+        // SAFETY: the allocator that owns the driver outlives the pool (see `Send` above).
+        unsafe { &*self.driver }
+    }
+
+    /// A staging buffer of at least `bytes` whose last use has completed.
+    fn staging(&mut self, bytes: usize) -> Result<usize, String> {
+        let n = self.ring.len();
+        let mut pick = None;
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            let s = &self.ring[i];
+            let done = !s.busy
+                || match s.event {
+                    Some(e) => self.driver().event_done(e).map_err(|e| e.to_string())?,
+                    None => true,
+                };
+            if done {
+                pick = Some(i);
+                break;
+            }
+        }
+        let i = match pick {
+            Some(i) => i,
+            None if n < MAX_RING => {
+                let event = self.driver().create_event().map_err(|e| e.to_string())?;
+                self.ring.push(Staging {
+                    host: ptr::null_mut(),
+                    device: 0,
+                    bytes: 0,
+                    event: Some(event),
+                    busy: false,
+                });
+                n
+            }
+            None => {
+                let i = self.next % n;
+                if let Some(e) = self.ring[i].event {
+                    self.driver().synchronize_event(e).map_err(|e| e.to_string())?;
+                }
+                i
+            }
+        };
+        self.ring[i].busy = false;
+        if self.ring[i].bytes < bytes {
+            let size = bytes.next_power_of_two().max(64 << 10);
+            let s = &mut self.ring[i];
+            if !s.host.is_null() {
+                // SAFETY: allocated by cuMemHostAlloc below; its last use has completed.
+                let _ = unsafe { sys::cuMemFreeHost(s.host.cast()) };
+                s.host = ptr::null_mut();
+                s.bytes = 0;
+            }
+            let mut h: *mut c_void = ptr::null_mut();
+            // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+            // SAFETY: valid out-pointer; a context is current.
+            ck(unsafe { sys::cuMemHostAlloc(&mut h, size, 0x01 | 0x02) }, "cuMemHostAlloc")?;
+            let mut dptr: sys::CUdeviceptr = 0;
+            // SAFETY: `h` is mapped pinned memory just allocated.
+            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, h, 0) };
+            if let Err(e) = ck(r, "cuMemHostGetDevicePointer") {
+                // SAFETY: allocated just above, never used.
+                let _ = unsafe { sys::cuMemFreeHost(h) };
+                return Err(e);
+            }
+            s.host = h.cast();
+            s.device = dptr;
+            s.bytes = size;
+        }
+        self.next = (i + 1) % self.ring.len();
+        Ok(i)
+    }
+
+    /// Ships `d` and launches the kernels on `stream`.
+    pub(crate) fn launch(
+        &mut self,
+        d: &Delta,
+        p: &TablePointers,
+        cfg: &PagedConfig,
+        stream: StreamHandle,
+    ) -> Result<(), String> {
+        let n_ops = d.ops.len();
+        let n_copies = d.copies.len();
+        let n_runs = d.runs.len();
+        let tokens = d.step_tokens();
+        if n_ops == 0 && n_copies == 0 && tokens == 0 {
+            return Ok(());
+        }
+        self.driver().bind_context().map_err(|e| e.to_string())?;
+        let ops_bytes = align16(n_ops * std::mem::size_of::<TableOp>());
+        let copies_bytes = align16(n_copies * std::mem::size_of::<PageCopy>());
+        let runs_bytes = n_runs * std::mem::size_of::<TokenRun>();
+        let i = self.staging(ops_bytes + copies_bytes + runs_bytes)?;
+        let (host, dev) = (self.ring[i].host, self.ring[i].device);
+        // SAFETY: the buffer holds at least the bytes written (sized above) and no kernel reads
+        // it now (its event completed); the records are plain `repr(C)` words.
+        unsafe {
+            ptr::copy_nonoverlapping(d.ops.as_ptr().cast::<u8>(), host, n_ops * 12);
+            ptr::copy_nonoverlapping(
+                d.copies.as_ptr().cast::<u8>(),
+                host.add(ops_bytes),
+                n_copies * 8,
+            );
+            ptr::copy_nonoverlapping(
+                d.runs.as_ptr().cast::<u8>(),
+                host.add(ops_bytes + copies_bytes),
+                runs_bytes,
+            );
+        }
+        let s = stream.0 as sys::CUstream;
+        if n_ops > 0 || n_copies > 0 {
+            let op_blocks = (n_ops as u32).div_ceil(THREADS);
+            let grid = op_blocks + n_copies as u32 * COPY_BLOCKS;
+            let mut a0 = dev;
+            let mut a1 = n_ops as u32;
+            let mut a2 = dev + ops_bytes as u64;
+            let mut a3 = n_copies as u32;
+            let mut a4 = p.block_table;
+            let mut a5 = p.seq_lens;
+            let mut a6 = p.batch_rows;
+            let mut a7 = p.pages;
+            let mut a8 = cfg.page_bytes() as u64;
+            let mut a9 = op_blocks;
+            let mut args: [*mut c_void; 10] = [
+                (&mut a0 as *mut u64).cast(),
+                (&mut a1 as *mut u32).cast(),
+                (&mut a2 as *mut u64).cast(),
+                (&mut a3 as *mut u32).cast(),
+                (&mut a4 as *mut u64).cast(),
+                (&mut a5 as *mut u64).cast(),
+                (&mut a6 as *mut u64).cast(),
+                (&mut a7 as *mut u64).cast(),
+                (&mut a8 as *mut u64).cast(),
+                (&mut a9 as *mut u32).cast(),
+            ];
+            // SAFETY: the arguments match mb_paged_apply's parameters in number and type and
+            // live across the call (the driver copies them); every pointer is a buffer of this
+            // pool (fixed tables, pages, this staging buffer) that outlives the kernel.
+            let r = unsafe {
+                sys::cuLaunchKernel(
+                    self.kernels.apply,
+                    grid,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    s,
+                    args.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            };
+            ck(r, "cuLaunchKernel(mb_paged_apply)")?;
+        }
+        if tokens > 0 {
+            let mut a0 = dev + (ops_bytes + copies_bytes) as u64;
+            let mut a1 = n_runs as u32;
+            let mut a2 = d.explicit_tokens;
+            let mut a3 = d.decode_rows;
+            let mut a4 = p.block_table;
+            let mut a5 = cfg.max_pages_per_seq;
+            let mut a6 = cfg.tokens_per_page;
+            let mut a7 = p.seq_lens;
+            let mut a8 = p.batch_rows;
+            let mut a9 = p.slot_mapping;
+            let mut args: [*mut c_void; 10] = [
+                (&mut a0 as *mut u64).cast(),
+                (&mut a1 as *mut u32).cast(),
+                (&mut a2 as *mut u32).cast(),
+                (&mut a3 as *mut u32).cast(),
+                (&mut a4 as *mut u64).cast(),
+                (&mut a5 as *mut u32).cast(),
+                (&mut a6 as *mut u32).cast(),
+                (&mut a7 as *mut u64).cast(),
+                (&mut a8 as *mut u64).cast(),
+                (&mut a9 as *mut u64).cast(),
+            ];
+            // SAFETY: as above, for mb_paged_slots.
+            let r = unsafe {
+                sys::cuLaunchKernel(
+                    self.kernels.slots,
+                    tokens.div_ceil(THREADS),
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    s,
+                    args.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            };
+            ck(r, "cuLaunchKernel(mb_paged_slots)")?;
+        }
+        let slot = &mut self.ring[i];
+        if let Some(e) = slot.event {
+            self.driver().record_event(e, stream).map_err(|e| e.to_string())?;
+        }
+        self.ring[i].busy = true;
+        Ok(())
+    }
+
+    /// Waits for the staging buffers' last kernels and frees them (the pool is going away).
+    pub(crate) fn release(&mut self) {
+        let ring = std::mem::take(&mut self.ring);
+        for s in ring {
+            if let Some(e) = s.event {
+                if s.busy {
+                    let _ = self.driver().synchronize_event(e);
+                }
+                let _ = self.driver().destroy_event(e);
+            }
+            if !s.host.is_null() {
+                // SAFETY: allocated by cuMemHostAlloc; no kernel reads it any more (waited above).
+                let _ = unsafe { sys::cuMemFreeHost(s.host.cast()) };
+            }
+        }
+    }
+}
+
+impl Drop for DeviceTables {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_plain_arguments() {
+        let a = nvrtc_options(&NvrtcOptions { arch: (9, 0), line_info: false });
+        assert_eq!(a, ["--gpu-architecture=compute_90", "--std=c++14"]);
+        let b = nvrtc_options(&NvrtcOptions { arch: (8, 6), line_info: true });
+        assert!(b.contains(&"--gpu-architecture=compute_86".to_string()));
+        assert!(b.contains(&"--generate-line-info".to_string()));
+    }
+
+    /// Compiles the kernels with NVRTC when libnvrtc is on the loader path (scripts/test.sh
+    /// installs PyPI's nvidia-cuda-nvrtc for it), else says why it skips.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to dlopen libnvrtc and drops it again.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("skipping: no libnvrtc on the loader path (scripts/test.sh provides one)");
+            return;
+        }
+        let ptx = compile_ptx(&NvrtcOptions { arch: (8, 0), line_info: true })
+            .unwrap_or_else(|e| panic!("{e}"));
+        for k in ["mb_paged_apply", "mb_paged_slots"] {
+            assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from the PTX");
+        }
+        println!("compiled the paged kernels: {} bytes of PTX", ptx.len());
+    }
+}
