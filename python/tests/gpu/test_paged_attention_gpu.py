@@ -88,7 +88,7 @@ def test_paged_decode_attention_matches_dense():
                 dense[c] = dense[s].clone()
         arrivals = []
         if step % 4 == 2:
-            for n in torch.randint(1, 300, (4,), generator=g).tolist():
+            for n in torch.randint(1, 300, (4,), generator=g, device=dev).tolist():
                 s = pool.add(n)
                 arrivals.append((s, rand(n)))
         n = pool.decode_step()

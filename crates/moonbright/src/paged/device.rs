@@ -71,8 +71,9 @@ pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
 }
 
 /// Every libcuda symbol this file calls.
-const REQUIRED_SYMBOLS: [&str; 8] = [
+const REQUIRED_SYMBOLS: [&str; 9] = [
     "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
     "cuDeviceGetAttribute",
     "cuModuleLoadData",
     "cuModuleGetFunction",
@@ -101,7 +102,9 @@ struct Kernels {
 unsafe impl Send for Kernels {}
 
 /// Loaded modules, by context (modules belong to a context; the primary context is shared by
-/// every driver of its device).
+/// every driver of its device). The cache holds a reference on each context it has a module
+/// for, for the life of the process: a primary context whose last reference goes is destroyed
+/// with its modules, and may come back at the same address, which would leave a stale entry.
 static MODULES: Mutex<Vec<(usize, Kernels)>> = Mutex::new(Vec::new());
 
 fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
@@ -143,6 +146,10 @@ fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
         Ok(f)
     };
     let k = Kernels { apply: function("mb_paged_apply")?, slots: function("mb_paged_slots")? };
+    let mut held: sys::CUcontext = ptr::null_mut();
+    // SAFETY: valid out-pointer; `dev` came from cuDeviceGet. The reference is never released
+    // (see MODULES).
+    ck(unsafe { sys::cuDevicePrimaryCtxRetain(&mut held, dev) }, "cuDevicePrimaryCtxRetain")?;
     cache.push((key, k));
     Ok(k)
 }
