@@ -299,8 +299,12 @@ def main():
         """The batch that the cap would fit, from a success's peak: fixed + b * per sequence."""
         if not cuda:
             return row["batch"] * 2
-        peak = max(row["peak_reserved"], row["peak_allocated"] + row.get("kv", {}).get(
-            "peak_committed_bytes", 0))
+        # Under MoonBright the growable cache's pages are counted in the allocated and
+        # reserved bytes already; with another allocator's stats they are not.
+        kv = row.get("kv", {}).get("peak_committed_bytes", 0)
+        if args.alloc in ("moonbright", "growable"):
+            kv = 0
+        peak = max(row["peak_reserved"], row["peak_allocated"] + kv)
         per_seq = max(peak - base, 1) / row["batch"]
         return int((cap - base) / per_seq)
 
