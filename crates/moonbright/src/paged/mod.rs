@@ -10,6 +10,8 @@
 
 mod delta;
 mod device;
+#[cfg(test)]
+mod host_bench;
 mod ids;
 pub mod reference;
 mod store;
@@ -653,6 +655,13 @@ impl<'a> PagedPool<'a> {
     /// nothing changes (and nothing is committed).
     pub fn decode_step(&mut self) -> PagedResult<&Delta> {
         self.check_usable()?;
+        self.decode_tokens()?;
+        self.commit(true)
+    }
+
+    /// The host side of [`decode_step`](Self::decode_step) before its commit: validates, then
+    /// gives every live sequence its decode token. On an error nothing changed.
+    fn decode_tokens(&mut self) -> PagedResult<()> {
         let t = self.cfg.tokens_per_page;
         let max = self.cfg.max_seq_len();
         let mut need = 0u64;
@@ -689,7 +698,7 @@ impl<'a> PagedPool<'a> {
             }
             self.lens[r] = len + 1;
         }
-        self.commit(true)
+        Ok(())
     }
 
     /// Commits the step without decode tokens: ships the delta and launches the kernels (or
@@ -983,6 +992,14 @@ impl<'a> PagedPool<'a> {
     /// Turns this step's marks into the delta, returns freed rows and pages to their free sets,
     /// and applies the delta.
     fn commit(&mut self, decode: bool) -> PagedResult<&Delta> {
+        self.close_step(decode);
+        self.apply_delta()?;
+        Ok(&self.delta)
+    }
+
+    /// Turns this step's marks into the delta and returns freed rows and pages to their free
+    /// sets: the host side of a commit. Cannot fail.
+    fn close_step(&mut self, decode: bool) {
         let m = self.cfg.max_pages_per_seq;
         let d = &mut self.delta;
         d.clear();
@@ -1031,6 +1048,11 @@ impl<'a> PagedPool<'a> {
         self.copies.clear();
         self.copied_from.clear();
         self.explicit_tokens = 0;
+    }
+
+    /// Ships the delta of [`close_step`](Self::close_step) to the tables (kernels, or the host
+    /// reference). A failure poisons the pool.
+    fn apply_delta(&mut self) -> PagedResult<()> {
         let applied = match &mut self.applier {
             Applier::Device(t) => t
                 .launch(&self.delta, &self.ptrs, &self.cfg, self.stream)
@@ -1041,7 +1063,7 @@ impl<'a> PagedPool<'a> {
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
-        Ok(&self.delta)
+        Ok(())
     }
 }
 
