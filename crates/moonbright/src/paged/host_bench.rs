@@ -67,8 +67,7 @@ fn paged_host_bench() {
         .split(',')
         .map(|s| s.parse().unwrap())
         .collect();
-    let steps: usize =
-        std::env::var("MB_PAGED_STEPS").map_or(3000, |s| s.parse().unwrap());
+    let steps: usize = std::env::var("MB_PAGED_STEPS").map_or(3000, |s| s.parse().unwrap());
     let warmup = 200;
     for n in sizes {
         let cfg = PagedConfig {
