@@ -91,6 +91,7 @@ fn paged_host_bench() {
             pool.commit_step().unwrap();
         }
         let (mut free_add, mut decode, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        let mut close = Vec::new();
         let mut ops = 0usize;
         for (k, (gone, arrive)) in events.iter().enumerate() {
             let dep: Vec<SeqId> = gone.iter().map(|&i| live.swap_remove(i)).collect();
@@ -104,8 +105,12 @@ fn paged_host_bench() {
             let t1 = Instant::now();
             pool.check_usable().unwrap();
             pool.decode_tokens().unwrap();
+            let tm = Instant::now();
             pool.close_step(true);
             let t2 = Instant::now();
+            if k >= warmup {
+                close.push((t2 - tm).as_secs_f64() * 1e6);
+            }
             ops += pool.delta.ops.len();
             if k >= warmup {
                 free_add.push((t1 - t0).as_secs_f64() * 1e6);
@@ -116,10 +121,11 @@ fn paged_host_bench() {
         pool.check_invariants().unwrap();
         println!(
             "N={n:6}: host us/step median: total {:7.2}  free+add {:6.2}  decode+delta {:7.2} \
-             ({:.2} ns/seq; {:.0} table ops/step)",
+             (of which delta {:6.2}; {:.2} ns/seq; {:.0} table ops/step)",
             median(&mut total),
             median(&mut free_add),
             median(&mut decode),
+            median(&mut close),
             median(&mut decode.clone()) * 1e3 / n as f64,
             ops as f64 / events.len() as f64,
         );

@@ -102,6 +102,27 @@ impl FreeIds {
         Some(id)
     }
 
+    /// Takes the `n` lowest free ids (there must be as many), appending them to `out` in
+    /// increasing order: as `n` calls of [`pop_lowest`](Self::pop_lowest), a word at a time.
+    pub(crate) fn pop_lowest_n(&mut self, n: u32, out: &mut Vec<u32>) {
+        assert!(n <= self.count, "{n} ids asked for, {} free", self.count);
+        let mut left = n;
+        while left > 0 {
+            let w = self.lowest_word().expect("counted above");
+            let mut bits = self.words[w];
+            while bits != 0 && left > 0 {
+                out.push(w as u32 * 64 + bits.trailing_zeros());
+                bits &= bits - 1;
+                left -= 1;
+            }
+            self.words[w] = bits;
+            if bits == 0 {
+                self.summary[w / 64] &= !(1 << (w % 64));
+            }
+        }
+        self.count -= n;
+    }
+
     /// Drops the free ids at the top of the range, so that `limit` is one past the highest id
     /// in use (or 0), but not below `floor`. Returns the new limit.
     pub(crate) fn trim_trailing(&mut self, floor: u32) -> u32 {
@@ -126,7 +147,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn behaves_like_a_sorted_set(ops in proptest::collection::vec((0u8..4, 0u32..300), 1..600)) {
+        fn behaves_like_a_sorted_set(ops in proptest::collection::vec((0u8..5, 0u32..300), 1..600)) {
             let mut ids = FreeIds::new();
             let mut model = BTreeSet::new();
             let mut limit = 0u32;
@@ -145,6 +166,14 @@ mod tests {
                         let want = model.pop_first();
                         prop_assert_eq!(got, want);
                         if let Some(g) = got { used.insert(g); }
+                    }
+                    4 => {
+                        let n = (x % 90).min(ids.count());
+                        let mut got = Vec::new();
+                        ids.pop_lowest_n(n, &mut got);
+                        let want: Vec<u32> = (0..n).map(|_| model.pop_first().unwrap()).collect();
+                        prop_assert_eq!(&got, &want);
+                        used.extend(got);
                     }
                     2 => {
                         if let Some(&u) = used.iter().nth((x as usize) % used.len().max(1)) {

@@ -290,6 +290,8 @@ pub struct PagedPool<'a> {
     explicit_tokens: u32,
     pending_rows: Vec<u32>,
     pending_pages: Vec<u32>,
+    /// Scratch: a decode step's new pages.
+    fresh_pages: Vec<u32>,
     delta: Delta,
 }
 
@@ -405,6 +407,7 @@ impl<'a> PagedPool<'a> {
             explicit_tokens: 0,
             pending_rows: Vec::new(),
             pending_pages: Vec::new(),
+            fresh_pages: Vec::new(),
             delta: Delta::default(),
             cfg,
         })
@@ -534,9 +537,7 @@ impl<'a> PagedPool<'a> {
         self.tail_shared[r] = false;
         let mut pages = std::mem::take(&mut self.pages[r]);
         pages.clear();
-        for _ in 0..np {
-            pages.push(self.take_page());
-        }
+        self.take_pages(np, &mut pages);
         self.pages[r] = pages;
         self.batch_pos[r] = self.batch.len() as u32;
         self.batch.push(row);
@@ -699,15 +700,16 @@ impl<'a> PagedPool<'a> {
         // exceeds the buckets). A row at the longest length starts a page too (the longest
         // length is a whole number of pages, and no row is longer), so it is among them.
         let b = self.due_bucket();
-        let mut need = 0u64;
+        let mut starting = 0u64;
         let mut too_long = false;
         for &row in &self.phase_rows[b] {
             let len = self.len_of(row as usize);
             if len % t == 0 {
                 too_long |= len as u64 >= max;
-                need += 1;
+                starting += 1;
             }
         }
+        let mut need = starting;
         if too_long {
             // Name the first such row in batch order.
             let row = *self
@@ -732,17 +734,22 @@ impl<'a> PagedPool<'a> {
         self.ensure_free_pages(need)?;
         // Nothing can fail from here on.
         let due = std::mem::take(&mut self.phase_rows[b]);
+        let mut fresh = std::mem::take(&mut self.fresh_pages);
+        fresh.clear();
+        self.take_pages(starting as u32, &mut fresh);
+        let mut fresh_pages = fresh.iter();
         for &row in &due {
             let r = row as usize;
             let len = self.len_of(r);
             if len % t == 0 {
-                let p = self.take_page();
+                let p = *fresh_pages.next().expect("one page per row starting one");
                 self.pages[r].push(p);
                 let c = len / t;
                 self.mark_blocks(row, c, c + 1);
             }
         }
         self.phase_rows[b] = due;
+        self.fresh_pages = fresh;
         let mut shared = std::mem::take(&mut self.shared_rows);
         shared.retain(|&row| {
             let r = row as usize;
@@ -1014,6 +1021,15 @@ impl<'a> PagedPool<'a> {
         if shared && !self.in_shared[r] {
             self.in_shared[r] = true;
             self.shared_rows.push(r as u32);
+        }
+    }
+
+    /// Takes the `n` lowest free pages (ensure_free_pages ran first) into `out`.
+    fn take_pages(&mut self, n: u32, out: &mut Vec<u32>) {
+        let from = out.len();
+        self.free_pages.pop_lowest_n(n, out);
+        for &p in &out[from..] {
+            self.refs[p as usize] = 1;
         }
     }
 
