@@ -105,7 +105,8 @@ impl PagedPool {
 
     /// Adds one sequence per prompt length; stops at the first refusal (those before it stay).
     fn add_many(&mut self, prompt_lens: Vec<u32>) -> PyResult<Vec<u64>> {
-        prompt_lens.into_iter().map(|n| self.add(n)).collect()
+        let mut pool = self.pool();
+        prompt_lens.into_iter().map(|n| pool.add(n).map(|s| s.0).map_err(err)).collect()
     }
 
     /// Adds `n` tokens to `seq` (they get slots this step).
@@ -130,7 +131,8 @@ impl PagedPool {
 
     /// Frees every sequence of `seqs`; stops at the first refusal (those before it stay freed).
     fn free_many(&mut self, seqs: Vec<u64>) -> PyResult<()> {
-        seqs.into_iter().try_for_each(|s| self.free(s))
+        let mut pool = self.pool();
+        seqs.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))
     }
 
     /// Commits the step (kernels on the stream, no host wait); returns its token count.

@@ -59,11 +59,16 @@ enum Op {
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
+    op_strategy_scaled(1)
+}
+
+/// Requests with token counts `k` times those of [`op_strategy`] (for larger pages).
+fn op_strategy_scaled(k: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0u32..14).prop_map(Op::Add),
-        3 => (any::<usize>(), 0u32..9).prop_map(|(i, n)| Op::Extend(i, n)),
+        3 => (0u32..14 * k).prop_map(Op::Add),
+        3 => (any::<usize>(), 0u32..9 * k).prop_map(|(i, n)| Op::Extend(i, n)),
         2 => any::<usize>().prop_map(Op::Fork),
-        1 => (any::<usize>(), 0u32..40).prop_map(|(i, n)| Op::Truncate(i, n)),
+        1 => (any::<usize>(), 0u32..40 * k).prop_map(|(i, n)| Op::Truncate(i, n)),
         2 => any::<usize>().prop_map(Op::Free),
         2 => Just(Op::Commit),
         4 => Just(Op::Decode),
@@ -281,6 +286,28 @@ proptest! {
     fn host_backend_matches_the_models(ops in proptest::collection::vec(op_strategy(), 1..120)) {
         let a = host_alloc();
         let mut pool = PagedPool::new(&a, config(), StreamHandle::DEFAULT).unwrap();
+        run(&mut pool, &ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// Other page sizes: 1 token, a size that is not a power of two, and one above the pool's
+    /// phase buckets (so that a decode step's bucket also holds rows not starting a page).
+    #[test]
+    fn host_backend_matches_the_models_other_page_sizes(
+        (t, ops) in prop_oneof![Just(1u32), Just(3u32), Just(67u32)].prop_flat_map(|t| {
+            let k = t.div_ceil(4);
+            (Just(t), proptest::collection::vec(op_strategy_scaled(k), 1..120))
+        })
+    ) {
+        let a = host_alloc();
+        let cfg = PagedConfig {
+            tokens_per_page: t,
+            max_step_tokens: 128 * t.div_ceil(4),
+            ..config()
+        };
+        let mut pool = PagedPool::new(&a, cfg, StreamHandle::DEFAULT).unwrap();
         run(&mut pool, &ops);
     }
 }

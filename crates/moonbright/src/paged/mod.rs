@@ -10,6 +10,8 @@
 
 mod delta;
 mod device;
+#[cfg(test)]
+mod host_bench;
 mod ids;
 pub mod reference;
 mod store;
@@ -215,6 +217,10 @@ pub struct TablePointers {
     pub pages: DevicePtr,
 }
 
+/// Most phase buckets (see `PagedPool::phase_rows`): with larger pages, a decode step's bucket
+/// also holds rows that do not start a page, one in `tokens_per_page / MAX_PHASE_BUCKETS`.
+const MAX_PHASE_BUCKETS: u32 = 64;
+
 /// Who applies the deltas: kernels on the GPU, or the reference on host memory.
 enum Applier {
     Device(device::DeviceTables),
@@ -235,7 +241,24 @@ pub struct PagedPool<'a> {
     // Per row.
     generation: Vec<u32>,
     live: Vec<bool>,
-    lens: Vec<u32>,
+    /// The row's length minus `decodes` (wrapping): a decode step grows every length by
+    /// bumping `decodes` alone. See [`len_of`](Self::len_of).
+    len_rel: Vec<u32>,
+    /// Decode steps so far (wrapping).
+    decodes: u32,
+    /// `decodes % tokens_per_page`.
+    decode_phase: u32,
+    /// Live rows by phase: a row whose length is `len` when the decode phase is `ph` sits in
+    /// bucket `(len - ph) mod tokens_per_page`, reduced mod the number of buckets. The phase
+    /// moves with the lengths, so a row changes bucket only when its length changes otherwise;
+    /// a decode step visits the one bucket that holds the rows starting a page.
+    phase_rows: Vec<Vec<u32>>,
+    /// Per row: its bucket, and its index in it.
+    phase_bucket: Vec<u32>,
+    phase_pos: Vec<u32>,
+    /// Rows whose `tail_shared` may be set (each once; `in_shared` marks them).
+    shared_rows: Vec<u32>,
+    in_shared: Vec<bool>,
     pages: Vec<Vec<u32>>,
     batch_pos: Vec<u32>,
     /// The row's last page may be shared (checked against its reference count before a write).
@@ -267,6 +290,8 @@ pub struct PagedPool<'a> {
     explicit_tokens: u32,
     pending_rows: Vec<u32>,
     pending_pages: Vec<u32>,
+    /// Scratch: a decode step's new pages.
+    fresh_pages: Vec<u32>,
     delta: Delta,
 }
 
@@ -323,7 +348,7 @@ impl<'a> PagedPool<'a> {
             }
         };
         let applier = match alloc.driver().inner() {
-            crate::Backend::Cuda(d) => match device::DeviceTables::new(d) {
+            crate::Backend::Cuda(d) => match device::DeviceTables::new(d, stream) {
                 Ok(t) => Applier::Device(t),
                 Err(e) => {
                     let _ = store.release(stream);
@@ -350,7 +375,14 @@ impl<'a> PagedPool<'a> {
             poisoned: None,
             generation: vec![0; seqs],
             live: vec![false; seqs],
-            lens: vec![0; seqs],
+            len_rel: vec![0; seqs],
+            decodes: 0,
+            decode_phase: 0,
+            phase_rows: vec![Vec::new(); cfg.tokens_per_page.min(MAX_PHASE_BUCKETS) as usize],
+            phase_bucket: vec![0; seqs],
+            phase_pos: vec![0; seqs],
+            shared_rows: Vec::new(),
+            in_shared: vec![false; seqs],
             pages: vec![Vec::new(); seqs],
             batch_pos: vec![0; seqs],
             tail_shared: vec![false; seqs],
@@ -375,6 +407,7 @@ impl<'a> PagedPool<'a> {
             explicit_tokens: 0,
             pending_rows: Vec::new(),
             pending_pages: Vec::new(),
+            fresh_pages: Vec::new(),
             delta: Delta::default(),
             cfg,
         })
@@ -439,7 +472,7 @@ impl<'a> PagedPool<'a> {
 
     /// The token count of a live sequence.
     pub fn len(&self, seq: SeqId) -> PagedResult<u32> {
-        Ok(self.lens[self.live_row(seq, "query")? as usize])
+        Ok(self.len_of(self.live_row(seq, "query")? as usize))
     }
 
     /// The pages of a live sequence, in order.
@@ -500,13 +533,11 @@ impl<'a> PagedPool<'a> {
         self.generation[r] += 1;
         self.live[r] = true;
         self.live_rows += 1;
-        self.lens[r] = prompt_len;
+        self.place(row, prompt_len);
         self.tail_shared[r] = false;
         let mut pages = std::mem::take(&mut self.pages[r]);
         pages.clear();
-        for _ in 0..np {
-            pages.push(self.take_page());
-        }
+        self.take_pages(np, &mut pages);
         self.pages[r] = pages;
         self.batch_pos[r] = self.batch.len() as u32;
         self.batch.push(row);
@@ -523,7 +554,7 @@ impl<'a> PagedPool<'a> {
         self.check_usable()?;
         let row = self.live_row(seq, "extend")?;
         let r = row as usize;
-        let len = self.lens[r];
+        let len = self.len_of(r);
         let new_len = len as u64 + n as u64;
         if new_len > self.cfg.max_seq_len() {
             return Err(PagedError::SequenceTooLong {
@@ -550,7 +581,7 @@ impl<'a> PagedPool<'a> {
             self.pages[r].push(p);
         }
         self.mark_blocks(row, cur_np, new_np);
-        self.lens[r] = new_len as u32;
+        self.set_len(row, new_len as u32);
         self.mark_len(row);
         self.push_run(row, len, n);
         Ok(())
@@ -571,8 +602,8 @@ impl<'a> PagedPool<'a> {
         self.generation[r] += 1;
         self.live[r] = true;
         self.live_rows += 1;
-        let len = self.lens[prow];
-        self.lens[r] = len;
+        let len = self.len_of(prow);
+        self.place(row, len);
         let mut pages = std::mem::take(&mut self.pages[r]);
         pages.clear();
         pages.extend_from_slice(&self.pages[prow]);
@@ -582,8 +613,10 @@ impl<'a> PagedPool<'a> {
         let np = pages.len() as u32;
         self.pages[r] = pages;
         let partial = len % self.cfg.tokens_per_page != 0;
-        self.tail_shared[r] = partial;
-        self.tail_shared[prow] |= partial;
+        self.set_tail_shared(r, partial);
+        if partial {
+            self.set_tail_shared(prow, true);
+        }
         self.batch_pos[r] = self.batch.len() as u32;
         self.batch.push(row);
         self.mark_batch(self.batch.len() as u32 - 1);
@@ -597,7 +630,7 @@ impl<'a> PagedPool<'a> {
         self.check_usable()?;
         let row = self.live_row(seq, "truncate")?;
         let r = row as usize;
-        let len = self.lens[r];
+        let len = self.len_of(r);
         if new_len > len {
             return Err(PagedError::BadTruncate { seq, len, new_len });
         }
@@ -612,9 +645,10 @@ impl<'a> PagedPool<'a> {
         if self.token_stamp[r] == self.step {
             self.clip_runs(row, new_len);
         }
-        self.lens[r] = new_len;
-        self.tail_shared[r] = new_len % self.cfg.tokens_per_page != 0
+        self.set_len(row, new_len);
+        let shared = new_len % self.cfg.tokens_per_page != 0
             && self.pages[r].last().is_some_and(|&p| self.refs[p as usize] > 1);
+        self.set_tail_shared(r, shared);
         self.mark_len(row);
         Ok(())
     }
@@ -632,9 +666,9 @@ impl<'a> PagedPool<'a> {
         }
         self.pages[r] = pages;
         self.mark_blocks(row, 0, np);
+        self.unplace(row);
         self.live[r] = false;
         self.live_rows -= 1;
-        self.lens[r] = 0;
         self.tail_shared[r] = false;
         self.mark_len(row);
         let i = self.batch_pos[r];
@@ -653,43 +687,89 @@ impl<'a> PagedPool<'a> {
     /// nothing changes (and nothing is committed).
     pub fn decode_step(&mut self) -> PagedResult<&Delta> {
         self.check_usable()?;
+        self.decode_tokens()?;
+        self.commit(true)
+    }
+
+    /// The host side of [`decode_step`](Self::decode_step) before its commit: validates, then
+    /// gives every live sequence its decode token. On an error nothing changed.
+    fn decode_tokens(&mut self) -> PagedResult<()> {
         let t = self.cfg.tokens_per_page;
         let max = self.cfg.max_seq_len();
-        let mut need = 0u64;
-        for &row in &self.batch {
-            let r = row as usize;
-            let len = self.lens[r];
-            if len as u64 >= max {
-                return Err(PagedError::SequenceTooLong {
-                    seq: SeqId::new(row, self.generation[r]),
-                    requested: len as u64 + 1,
-                    max,
-                });
+        // The rows starting a page are those of one bucket (with others when tokens_per_page
+        // exceeds the buckets). A row at the longest length starts a page too (the longest
+        // length is a whole number of pages, and no row is longer), so it is among them.
+        let b = self.due_bucket();
+        let mut starting = 0u64;
+        let mut too_long = false;
+        for &row in &self.phase_rows[b] {
+            let len = self.len_of(row as usize);
+            if len % t == 0 {
+                too_long |= len as u64 >= max;
+                starting += 1;
             }
-            if len % t == 0 || (self.tail_shared[r] && self.tail_needs_copy(r)) {
+        }
+        let mut need = starting;
+        if too_long {
+            // Name the first such row in batch order.
+            let row = *self
+                .batch
+                .iter()
+                .find(|&&r| self.len_of(r as usize) as u64 >= max)
+                .expect("found above");
+            let r = row as usize;
+            return Err(PagedError::SequenceTooLong {
+                seq: SeqId::new(row, self.generation[r]),
+                requested: self.len_of(r) as u64 + 1,
+                max,
+            });
+        }
+        for &row in &self.shared_rows {
+            let r = row as usize;
+            if self.tail_shared[r] && self.tail_needs_copy(r) {
                 need += 1;
             }
         }
         self.check_step_tokens(self.batch.len() as u64)?;
         self.ensure_free_pages(need)?;
-        for i in 0..self.batch.len() {
-            let row = self.batch[i];
+        // Nothing can fail from here on.
+        let due = std::mem::take(&mut self.phase_rows[b]);
+        let mut fresh = std::mem::take(&mut self.fresh_pages);
+        fresh.clear();
+        self.take_pages(starting as u32, &mut fresh);
+        let mut fresh_pages = fresh.iter();
+        for &row in &due {
             let r = row as usize;
-            let len = self.lens[r];
+            let len = self.len_of(r);
             if len % t == 0 {
-                let p = self.take_page();
+                let p = *fresh_pages.next().expect("one page per row starting one");
                 self.pages[r].push(p);
                 let c = len / t;
                 self.mark_blocks(row, c, c + 1);
-            } else if self.tail_shared[r] {
-                if self.tail_needs_copy(r) {
-                    self.copy_tail(row);
-                }
-                self.tail_shared[r] = false;
             }
-            self.lens[r] = len + 1;
         }
-        self.commit(true)
+        self.phase_rows[b] = due;
+        self.fresh_pages = fresh;
+        let mut shared = std::mem::take(&mut self.shared_rows);
+        shared.retain(|&row| {
+            let r = row as usize;
+            // A row starting a page writes into its new private page: it keeps the mark, to be
+            // looked at again in the next step.
+            if self.tail_shared[r] && self.len_of(r) % t == 0 {
+                return true;
+            }
+            if self.tail_shared[r] && self.tail_needs_copy(r) {
+                self.copy_tail(row);
+            }
+            self.tail_shared[r] = false;
+            self.in_shared[r] = false;
+            false
+        });
+        self.shared_rows = shared;
+        // Every live row grows by one token.
+        self.decodes = self.decodes.wrapping_add(1);
+        self.decode_phase = if self.decode_phase + 1 == t { 0 } else { self.decode_phase + 1 };
+        Ok(())
     }
 
     /// Commits the step without decode tokens: ships the delta and launches the kernels (or
@@ -781,12 +861,18 @@ impl<'a> PagedPool<'a> {
                 }
                 continue;
             }
-            if self.pages[r].len() as u32 != self.lens[r].div_ceil(t) {
-                return Err(format!(
-                    "row {r}: {} pages for {} tokens",
-                    self.pages[r].len(),
-                    self.lens[r]
-                ));
+            let len = self.len_of(r);
+            if self.pages[r].len() as u32 != len.div_ceil(t) {
+                return Err(format!("row {r}: {} pages for {len} tokens", self.pages[r].len()));
+            }
+            let b = self.phase_bucket[r] as usize;
+            if self.phase_bucket[r] != self.bucket_for(len)
+                || self.phase_rows[b].get(self.phase_pos[r] as usize) != Some(&(r as u32))
+            {
+                return Err(format!("row {r} is not in its phase bucket"));
+            }
+            if self.tail_shared[r] && !self.in_shared[r] {
+                return Err(format!("row {r}: tail_shared but not listed"));
             }
             for &p in &self.pages[r] {
                 refs[p as usize] += 1;
@@ -817,6 +903,10 @@ impl<'a> PagedPool<'a> {
             {
                 return Err(format!("page {p} leaked: neither held nor free"));
             }
+        }
+        let placed: usize = self.phase_rows.iter().map(Vec::len).sum();
+        if placed as u32 != self.live_rows {
+            return Err(format!("{placed} rows in the phase buckets, {} live", self.live_rows));
         }
         if self.batch.len() as u32 != self.live_rows {
             return Err(format!("{} rows in the batch, {} live", self.batch.len(), self.live_rows));
@@ -875,6 +965,74 @@ impl<'a> PagedPool<'a> {
         Ok(())
     }
 
+    /// The token count of row `r` (live).
+    #[inline]
+    fn len_of(&self, r: usize) -> u32 {
+        self.len_rel[r].wrapping_add(self.decodes)
+    }
+
+    /// The phase bucket of a live row of length `len`.
+    fn bucket_for(&self, len: u32) -> u32 {
+        let t = self.cfg.tokens_per_page;
+        let key = (len % t + t - self.decode_phase) % t;
+        key % self.phase_rows.len() as u32
+    }
+
+    /// The bucket holding the rows whose length is a whole number of pages.
+    fn due_bucket(&self) -> usize {
+        self.bucket_for(0) as usize
+    }
+
+    /// Gives a row that just became live its length, and puts it in its bucket.
+    fn place(&mut self, row: u32, len: u32) {
+        let r = row as usize;
+        self.len_rel[r] = len.wrapping_sub(self.decodes);
+        let b = self.bucket_for(len);
+        self.phase_bucket[r] = b;
+        self.phase_pos[r] = self.phase_rows[b as usize].len() as u32;
+        self.phase_rows[b as usize].push(row);
+    }
+
+    /// Takes a live row out of its bucket.
+    fn unplace(&mut self, row: u32) {
+        let r = row as usize;
+        let bucket = &mut self.phase_rows[self.phase_bucket[r] as usize];
+        let i = self.phase_pos[r] as usize;
+        let last = bucket.pop().expect("a live row is in its bucket");
+        if last != row {
+            bucket[i] = last;
+            self.phase_pos[last as usize] = i as u32;
+        }
+    }
+
+    /// Changes a live row's length (not by a decode step).
+    fn set_len(&mut self, row: u32, len: u32) {
+        let r = row as usize;
+        if self.bucket_for(len) == self.phase_bucket[r] {
+            self.len_rel[r] = len.wrapping_sub(self.decodes);
+        } else {
+            self.unplace(row);
+            self.place(row, len);
+        }
+    }
+
+    fn set_tail_shared(&mut self, r: usize, shared: bool) {
+        self.tail_shared[r] = shared;
+        if shared && !self.in_shared[r] {
+            self.in_shared[r] = true;
+            self.shared_rows.push(r as u32);
+        }
+    }
+
+    /// Takes the `n` lowest free pages (ensure_free_pages ran first) into `out`.
+    fn take_pages(&mut self, n: u32, out: &mut Vec<u32>) {
+        let from = out.len();
+        self.free_pages.pop_lowest_n(n, out);
+        for &p in &out[from..] {
+            self.refs[p as usize] = 1;
+        }
+    }
+
     fn take_page(&mut self) -> u32 {
         let p = self.free_pages.pop_lowest().expect("ensure_free_pages ran first");
         self.refs[p as usize] = 1;
@@ -892,7 +1050,7 @@ impl<'a> PagedPool<'a> {
     /// Whether writing into the row's last page needs a copy first: the page is partly filled
     /// and held by another sequence too.
     fn tail_needs_copy(&self, r: usize) -> bool {
-        self.lens[r] % self.cfg.tokens_per_page != 0
+        self.len_of(r) % self.cfg.tokens_per_page != 0
             && self.pages[r].last().is_some_and(|&p| self.refs[p as usize] > 1)
     }
 
@@ -983,6 +1141,14 @@ impl<'a> PagedPool<'a> {
     /// Turns this step's marks into the delta, returns freed rows and pages to their free sets,
     /// and applies the delta.
     fn commit(&mut self, decode: bool) -> PagedResult<&Delta> {
+        self.close_step(decode);
+        self.apply_delta()?;
+        Ok(&self.delta)
+    }
+
+    /// Turns this step's marks into the delta and returns freed rows and pages to their free
+    /// sets: the host side of a commit. Cannot fail.
+    fn close_step(&mut self, decode: bool) {
         let m = self.cfg.max_pages_per_seq;
         let d = &mut self.delta;
         d.clear();
@@ -996,8 +1162,9 @@ impl<'a> PagedPool<'a> {
         }
         for &row in &self.len_rows {
             let r = row as usize;
-            // The decode kernel adds the decode token itself.
-            let value = self.lens[r] - (decode && self.live[r]) as u32;
+            // The decode kernel adds the decode token itself. A freed row's length is 0.
+            let len = self.len_rel[r].wrapping_add(self.decodes);
+            let value = if self.live[r] { len - decode as u32 } else { 0 };
             d.ops.push(TableOp { kind: OP_LEN, index: row, value: value as i32 });
         }
         for &i in &self.bat_idx {
@@ -1031,17 +1198,22 @@ impl<'a> PagedPool<'a> {
         self.copies.clear();
         self.copied_from.clear();
         self.explicit_tokens = 0;
+    }
+
+    /// Ships the delta of [`close_step`](Self::close_step) to the tables (kernels, or the host
+    /// reference). A failure poisons the pool.
+    fn apply_delta(&mut self) -> PagedResult<()> {
         let applied = match &mut self.applier {
-            Applier::Device(t) => t
-                .launch(&self.delta, &self.ptrs, &self.cfg, self.stream)
-                .map_err(PagedError::Device),
+            Applier::Device(t) => {
+                t.launch(&self.delta, &self.ptrs, &self.cfg).map_err(PagedError::Device)
+            }
             Applier::Host(h) => apply_on_host(self.alloc, h, &self.delta, &self.ptrs, &self.cfg),
         };
         if let Err(e) = applied {
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
-        Ok(&self.delta)
+        Ok(())
     }
 }
 

@@ -1,0 +1,133 @@
+//! A CPU micro-benchmark of the paged pool's host side (an ignored test): the workload of
+//! `bench/paged_bench.py` (N live sequences, +1 token each per step, departures at 1/512 per
+//! sequence per step replaced by arrivals of 16..512-token prompts, pages of 16 tokens), timing
+//! the frees, the adds and the decode step's metadata and delta, but not the delta's
+//! application (on the host backend that rewrites whole tables through the allocator, which the
+//! GPU path does not pay).
+//!
+//!     cargo test -p moonbright --release --lib paged_host_bench -- --ignored --nocapture
+
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{PagedConfig, PagedPool, SeqId};
+use crate::{Allocator, Options, StreamHandle};
+
+const T: u32 = 16;
+const MAX_LEN: u32 = 4096;
+const PROMPT: (u32, u32) = (16, 512);
+
+/// Per step: indices into the live list that depart (applied in order, swap-remove), then the
+/// arrivals' prompt lengths.
+type Events = Vec<(Vec<usize>, Vec<u32>)>;
+
+fn workload(n: usize, steps: usize, seed: u64) -> (Vec<u32>, Events) {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let init: Vec<u32> = (0..n).map(|_| r.gen_range(1..1536)).collect();
+    let mut lens = init.clone();
+    let mut events = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let mut gone = Vec::new();
+        let k = (0..lens.len()).filter(|_| r.gen_bool(1.0 / 512.0)).count();
+        for _ in 0..k {
+            let i = r.gen_range(0..lens.len());
+            gone.push(i);
+            lens.swap_remove(i);
+        }
+        let mut i = 0;
+        while i < lens.len() {
+            if lens[i] >= MAX_LEN - 1 {
+                gone.push(i);
+                lens.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let arrive: Vec<u32> =
+            (0..n - lens.len()).map(|_| r.gen_range(PROMPT.0..PROMPT.1)).collect();
+        lens.extend(&arrive);
+        lens.iter_mut().for_each(|x| *x += 1);
+        events.push((gone, arrive));
+    }
+    (init, events)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[test]
+#[ignore = "a benchmark: run with --ignored --nocapture, in release"]
+fn paged_host_bench() {
+    let sizes: Vec<usize> = std::env::var("MB_PAGED_SIZES")
+        .unwrap_or_else(|_| "256,1024,4096,16384".into())
+        .split(',')
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let steps: usize = std::env::var("MB_PAGED_STEPS").map_or(3000, |s| s.parse().unwrap());
+    let warmup = 200;
+    for n in sizes {
+        let cfg = PagedConfig {
+            tokens_per_page: T,
+            bytes_per_token: 16,
+            max_pages: n as u32 * 160 + 4096,
+            max_seqs: n as u32 + 1024,
+            max_pages_per_seq: MAX_LEN / T,
+            max_step_tokens: n as u32 + 64 * PROMPT.1 + 4096,
+        };
+        let bytes = (cfg.max_pages as u64 * cfg.page_bytes() as u64).next_power_of_two() * 2;
+        let a = Allocator::new(Options { cap_fraction: 1.0, ..Options::host(bytes, 64 << 10) })
+            .unwrap();
+        let mut pool = PagedPool::new(&a, cfg, StreamHandle::DEFAULT).unwrap();
+        let (init, events) = workload(n, warmup + steps, 7);
+        let mut live: Vec<SeqId> = Vec::new();
+        for chunk in init.chunks(32) {
+            for &p in chunk {
+                live.push(pool.add(p).unwrap());
+            }
+            pool.commit_step().unwrap();
+        }
+        let (mut free_add, mut decode, mut total) = (Vec::new(), Vec::new(), Vec::new());
+        let mut close = Vec::new();
+        let mut ops = 0usize;
+        for (k, (gone, arrive)) in events.iter().enumerate() {
+            let dep: Vec<SeqId> = gone.iter().map(|&i| live.swap_remove(i)).collect();
+            let t0 = Instant::now();
+            for &s in &dep {
+                pool.free(s).unwrap();
+            }
+            for &p in arrive {
+                live.push(pool.add(p).unwrap());
+            }
+            let t1 = Instant::now();
+            pool.check_usable().unwrap();
+            pool.decode_tokens().unwrap();
+            let tm = Instant::now();
+            pool.close_step(true);
+            let t2 = Instant::now();
+            if k >= warmup {
+                close.push((t2 - tm).as_secs_f64() * 1e6);
+            }
+            ops += pool.delta.ops.len();
+            if k >= warmup {
+                free_add.push((t1 - t0).as_secs_f64() * 1e6);
+                decode.push((t2 - t1).as_secs_f64() * 1e6);
+                total.push((t2 - t0).as_secs_f64() * 1e6);
+            }
+        }
+        pool.check_invariants().unwrap();
+        println!(
+            "N={n:6}: host us/step median: total {:7.2}  free+add {:6.2}  decode+delta {:7.2} \
+             (of which delta {:6.2}; {:.2} ns/seq; {:.0} table ops/step)",
+            median(&mut total),
+            median(&mut free_add),
+            median(&mut decode),
+            median(&mut close),
+            median(&mut decode.clone()) * 1e3 / n as f64,
+            ops as f64 / events.len() as f64,
+        );
+    }
+}
