@@ -265,7 +265,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="bench/results/paged")
+    ap.add_argument("--plot-from", help="only draw the plot of a saved paged_bench.json")
     args = ap.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f), os.path.dirname(args.plot_from) or ".")
+        return
     import torch
 
     if not torch.cuda.is_available():
@@ -312,6 +317,12 @@ def main():
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print("wrote", path)
+    plot(results, args.out)
+
+
+def plot(results, out):
+    """Draws paged_bench.png from the results (also: --plot-from a saved paged_bench.json)."""
+    sizes = sorted(int(n) for n in results["sizes"])
     try:
         import matplotlib
 
@@ -333,7 +344,7 @@ def main():
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    png = os.path.join(args.out, "paged_bench.png")
+    png = os.path.join(out, "paged_bench.png")
     fig.savefig(png, dpi=120)
     print("wrote", png)
 
