@@ -22,30 +22,11 @@ status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
-# cudarc looks for libnvrtc.so / libnvrtc.so.12 / ...; a CUDA 13 install may only have
-# libnvrtc.so.13 (for example in PyTorch's nvidia/cu13 wheel). Find one and link it as libnvrtc.so.
-find_nvrtc() {
-  local d f
-  for d in $(echo "${LD_LIBRARY_PATH:-}" | tr ':' ' ') /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 \
-           /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu \
-           $("$py" -c 'import glob, os, site
-for s in site.getsitepackages():
-    for p in glob.glob(os.path.join(s, "nvidia", "**", "libnvrtc.so*"), recursive=True): print(os.path.dirname(p))' 2>/dev/null | sort -u); do
-    for f in "$d"/libnvrtc.so "$d"/libnvrtc.so.1[0-9]*; do
-      [ -e "$f" ] && { echo "$f"; return 0; }
-    done
-  done
-  ldconfig -p 2>/dev/null | awk '/libnvrtc\.so/ && !/builtins/ {print $NF; exit}'
-}
-nvrtc=$(find_nvrtc)
-if [ -n "$nvrtc" ]; then
-  link=$(mktemp -d)
-  ln -sf "$(readlink -f "$nvrtc")" "$link/libnvrtc.so"
-  export LD_LIBRARY_PATH="$link:$(dirname "$(readlink -f "$nvrtc")"):${LD_LIBRARY_PATH:-}"
-  echo "libnvrtc: $nvrtc" | tee -a "$out/gpu.txt"
-else
-  echo "libnvrtc: NOT FOUND (kernel-based steps will fail with a message)" | tee -a "$out/gpu.txt"
-fi
+# cudarc looks for libnvrtc.so; a CUDA 13 install may only have libnvrtc.so.13.
+# scripts/nvrtc-env.sh finds one and links it under that name.
+export PYTHON=$py
+source scripts/nvrtc-env.sh >"$out/nvrtc.txt"
+tee -a "$out/gpu.txt" <"$out/nvrtc.txt"
 
 run() { # name, timeout, command...
   local name=$1 limit=$2; shift 2

@@ -6,12 +6,6 @@ scenario runs in a fresh Python process and prints a JSON line. Skipped without 
 transformers, a CUDA device, or a moonbright built with Growable.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,25 +13,10 @@ pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 import moonbright  # noqa: E402
+from test_torch_gpu import run  # noqa: E402
 
-if not hasattr(moonbright, "Growable") and not hasattr(moonbright._moonbright, "Growable"):
+if not hasattr(moonbright, "Growable"):
     pytest.skip("this moonbright build has no Growable", allow_module_level=True)
-
-
-def run(code, conf="", timeout=600):
-    env = dict(os.environ)
-    env["MOONBRIGHT_ALLOC_CONF"] = conf
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
-    assert lines, f"no result printed:\n{r.stdout}\n{r.stderr}"
-    return json.loads(lines[-1])
 
 
 GENERATE = """
