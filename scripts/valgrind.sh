@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the core's CPU tests under valgrind's memcheck (Miri and the sanitizers need a nightly
 # toolchain, which our machines do not have): the unit tests, the stream, fault-injection and
-# host conformance tests. Exits non-zero on any test failure or memcheck error.
+# host conformance tests, growable allocations and the paged pool. Exits non-zero on any test
+# failure or memcheck error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 1; }
@@ -10,7 +11,7 @@ import sys, json
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and \
-       m["target"]["name"] in ("moonbright", "streams", "faults", "conformance"):
+       m["target"]["name"] in ("moonbright", "streams", "faults", "conformance", "growable", "paged"):
         print(m["target"]["name"], m["executable"])
 ')
 while read -r name bin; do
