@@ -4,14 +4,14 @@
 # {256, 1024} new tokens, each in its own process, under a 12 GiB cap. Logs and JSON land under
 # ${OUT:-bench-out}/hf, with the plots of bench/hf_plot.py and summary.txt.
 #
-#   bash bench/hf-h200.sh             # everything (about 8 minutes)
-#   bash bench/hf-h200.sh 256         # only the 256-token runs (about 3.5 minutes)
+#   bash bench/hf-h200.sh             # everything (about 25 minutes: split it, see below)
+#   bash bench/hf-h200.sh 256         # only the 256-token runs (about 6 minutes)
 #   bash bench/hf-h200.sh 1024        # only the 1024-token runs (starts from the 256 results if there,
 #                                     # or START_default=.. START_expandable=.. etc.)
 #   QUICK=1 bash bench/hf-h200.sh     # at most 3 trials a configuration, resolution 8
 #   ALLOCS="growable moonbright" bash bench/hf-h200.sh 256
 #
-# Budgets (seconds per process, model load included): BUDGET_256 (45), BUDGET_1024 (60); a first
+# Budgets (seconds per process, model load included): BUDGET_256 (110), BUDGET_1024 (300); a first
 # trial always runs. The moonbright wheel comes from carry/wheel (scripts/pack-gpu.sh) unless
 # moonbright is importable already. Needs torch and transformers on the machine.
 set -uo pipefail
@@ -48,7 +48,7 @@ PY
 }
 
 for n in "${lens[@]}"; do
-  budget=${BUDGET_256:-45}; [ "$n" -ge 1024 ] && budget=${BUDGET_1024:-60}
+  budget=${BUDGET_256:-110}; [ "$n" -ge 1024 ] && budget=${BUDGET_1024:-300}
   for a in "${allocs[@]}"; do
     name="hf_${a}_${n}"
     start=()
