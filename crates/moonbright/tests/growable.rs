@@ -326,3 +326,30 @@ fn the_shrinking_stream_reuses_the_pages_at_once() {
     a.poll();
     books_agree(&a);
 }
+
+#[test]
+fn concurrent_resizes_of_one_growable_wait_their_turn() {
+    let a = std::sync::Arc::new(Allocator::new(opts(true)).unwrap());
+    let g = a.reserve_growable(48 * PAGE).unwrap();
+    let threads: Vec<_> = (0..4usize)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let s = a.driver().create_stream().unwrap();
+                for i in 0..300usize {
+                    let len = (i * 7919 + t * 104_729) % (48 * PAGE) + 1;
+                    a.resize_async(g, len, s).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    a.check_invariants().unwrap();
+    let info = a.growable_info(g).unwrap();
+    assert!(info.committed >= info.size);
+    a.free(g).unwrap();
+    a.release_unused().unwrap();
+    books_agree(&a);
+}
