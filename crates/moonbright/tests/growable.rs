@@ -353,3 +353,19 @@ fn concurrent_resizes_of_one_growable_wait_their_turn() {
     a.release_unused().unwrap();
     books_agree(&a);
 }
+
+#[test]
+fn resizing_on_a_capturing_stream_is_refused_and_changes_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = a.driver().create_stream().unwrap();
+    let g = a.reserve_growable(16 * PAGE).unwrap();
+    a.resize_async(g, 4 * PAGE, s).unwrap();
+    let before = a.growable_info(g);
+    host(&a).begin_capture(s);
+    assert_eq!(a.resize_async(g, 8 * PAGE, s), Err(Error::StreamCapture { stream: s.0 }));
+    assert_eq!(a.resize_async(g, PAGE, s), Err(Error::StreamCapture { stream: s.0 }));
+    assert_eq!(a.growable_info(g), before);
+    host(&a).end_capture(s);
+    a.resize_async(g, 8 * PAGE, s).unwrap();
+    books_agree(&a);
+}

@@ -5,7 +5,6 @@
 //! waited for).
 
 use std::ffi::{c_void, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::Mutex;
 
@@ -45,29 +44,7 @@ pub fn nvrtc_options(opts: &NvrtcOptions) -> Vec<String> {
 /// Compiles the kernels to PTX. Fails with a message (never panics) when libnvrtc cannot be
 /// loaded or the compilation fails.
 pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
-    // SAFETY: only tries to dlopen libnvrtc under each candidate name and drops it again.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        let mut names = cudarc::get_lib_name_candidates("nvrtc");
-        names.sort();
-        names.dedup();
-        return Err(format!(
-            "libnvrtc not found on the loader path (tried {}); put the directory of libnvrtc.so \
-             on LD_LIBRARY_PATH (a CUDA 13 install may need a libnvrtc.so link to libnvrtc.so.13)",
-            names.join(", ")
-        ));
-    }
-    let co = cudarc::nvrtc::CompileOptions {
-        options: nvrtc_options(opts),
-        name: Some("moonbright_paged.cu".into()),
-        ..Default::default()
-    };
-    match catch_unwind(AssertUnwindSafe(|| {
-        cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), co)
-    })) {
-        Ok(Ok(ptx)) => Ok(ptx.to_src()),
-        Ok(Err(e)) => Err(format!("NVRTC failed to compile the paged kernels: {e:?}")),
-        Err(_) => Err("NVRTC panicked (libnvrtc lacks a symbol cudarc needs?)".into()),
-    }
+    crate::nvrtc::compile_ptx(kernel_source(), "moonbright_paged.cu", nvrtc_options(opts))
 }
 
 /// Every libcuda symbol this file calls.
