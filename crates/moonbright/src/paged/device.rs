@@ -1,8 +1,10 @@
 //! The CUDA side of the paged pool: the table kernels (`kernels.cu`) compiled with NVRTC at run
 //! time, loaded once per device context, and their stream-ordered launches. A step's delta goes
-//! through a ring of pinned, device-mapped staging buffers that the kernels read directly; a
-//! buffer is reused only once an event recorded after its kernels has completed (queried, never
-//! waited for).
+//! through a ring of pinned, device-mapped staging buffers that the kernels read directly. Steps
+//! fill one buffer one after another; when the next delta does not fit, an event is recorded
+//! behind the buffer's last kernels and the step moves on to a buffer whose event has completed
+//! (queried, never waited for, unless the ring is at its largest). So most steps make no event
+//! call at all.
 
 use std::ffi::{c_void, CString};
 use std::ptr;
@@ -138,6 +140,7 @@ struct Staging {
     bytes: usize,
     /// Recorded after the last kernels that read this buffer.
     event: Option<EventHandle>,
+    /// Its event was recorded behind its last kernels and has not been seen complete.
     busy: bool,
 }
 
@@ -146,6 +149,12 @@ pub(crate) struct DeviceTables {
     kernels: Kernels,
     ring: Vec<Staging>,
     next: usize,
+    /// The buffer steps are filling now (no event recorded behind it yet), and the bytes of it
+    /// they used.
+    filling: Option<usize>,
+    used: usize,
+    /// The pool's stream: every launch, and the events behind them.
+    stream: StreamHandle,
     driver: *const CudaDriver,
 }
 
@@ -156,6 +165,8 @@ unsafe impl Send for DeviceTables {}
 
 /// The most staging buffers a pool keeps; past it, a step waits for the oldest.
 const MAX_RING: usize = 64;
+/// The smallest staging buffer: a step of 4096 decode rows uses about 10 KB of it.
+const MIN_STAGING: usize = 256 << 10;
 const THREADS: u32 = 256;
 const COPY_BLOCKS: u32 = 4;
 
@@ -164,9 +175,17 @@ fn align16(n: usize) -> usize {
 }
 
 impl DeviceTables {
-    pub(crate) fn new(d: &CudaDriver) -> PagedResult<Self> {
+    pub(crate) fn new(d: &CudaDriver, stream: StreamHandle) -> PagedResult<Self> {
         let kernels = kernels_for(d).map_err(PagedError::Device)?;
-        Ok(DeviceTables { kernels, ring: Vec::new(), next: 0, driver: d })
+        Ok(DeviceTables {
+            kernels,
+            ring: Vec::new(),
+            next: 0,
+            filling: None,
+            used: 0,
+            stream,
+            driver: d,
+        })
     }
 
     fn driver(&self) -> &CudaDriver {
@@ -214,7 +233,7 @@ impl DeviceTables {
         };
         self.ring[i].busy = false;
         if self.ring[i].bytes < bytes {
-            let size = bytes.next_power_of_two().max(64 << 10);
+            let size = bytes.next_power_of_two().max(MIN_STAGING);
             let s = &mut self.ring[i];
             if !s.host.is_null() {
                 // SAFETY: allocated by cuMemHostAlloc below; its last use has completed.
@@ -242,13 +261,41 @@ impl DeviceTables {
         Ok(i)
     }
 
-    /// Ships `d` and launches the kernels on `stream`.
+    /// Records the event behind the kernels that read the buffer being filled: it is reused
+    /// once that event completes.
+    fn retire_filling(&mut self) -> Result<(), String> {
+        if let Some(i) = self.filling.take() {
+            if let Some(e) = self.ring[i].event {
+                self.driver().record_event(e, self.stream).map_err(|e| e.to_string())?;
+            }
+            self.ring[i].busy = true;
+        }
+        Ok(())
+    }
+
+    /// `bytes` (a multiple of 16) of staging that no kernel reads now: the rest of the buffer
+    /// being filled, or the start of another. Returns the buffer and the offset.
+    fn reserve(&mut self, bytes: usize) -> Result<(usize, usize), String> {
+        if let Some(i) = self.filling {
+            if self.used + bytes <= self.ring[i].bytes {
+                let off = self.used;
+                self.used += bytes;
+                return Ok((i, off));
+            }
+            self.retire_filling()?;
+        }
+        let i = self.staging(bytes)?;
+        self.filling = Some(i);
+        self.used = bytes;
+        Ok((i, 0))
+    }
+
+    /// Ships `d` and launches the kernels on the pool's stream.
     pub(crate) fn launch(
         &mut self,
         d: &Delta,
         p: &TablePointers,
         cfg: &PagedConfig,
-        stream: StreamHandle,
     ) -> Result<(), String> {
         let n_ops = d.ops.len();
         let n_copies = d.copies.len();
@@ -261,10 +308,13 @@ impl DeviceTables {
         let ops_bytes = align16(n_ops * std::mem::size_of::<TableOp>());
         let copies_bytes = align16(n_copies * std::mem::size_of::<PageCopy>());
         let runs_bytes = n_runs * std::mem::size_of::<TokenRun>();
-        let i = self.staging(ops_bytes + copies_bytes + runs_bytes)?;
-        let (host, dev) = (self.ring[i].host, self.ring[i].device);
-        // SAFETY: the buffer holds at least the bytes written (sized above) and no kernel reads
-        // it now (its event completed); the records are plain `repr(C)` words.
+        let (i, off) = self.reserve(ops_bytes + copies_bytes + align16(runs_bytes))?;
+        // SAFETY: `off` is within the buffer (reserve checked it against the buffer's size).
+        let host = unsafe { self.ring[i].host.add(off) };
+        let dev = self.ring[i].device + off as u64;
+        // SAFETY: the buffer holds at least the bytes written from `off` (reserved above) and no
+        // kernel reads them now: they were never used since the buffer's event completed; the
+        // records are plain `repr(C)` words.
         unsafe {
             ptr::copy_nonoverlapping(d.ops.as_ptr().cast::<u8>(), host, n_ops * 12);
             ptr::copy_nonoverlapping(
@@ -278,7 +328,7 @@ impl DeviceTables {
                 runs_bytes,
             );
         }
-        let s = stream.0 as sys::CUstream;
+        let s = self.stream.0 as sys::CUstream;
         if n_ops > 0 || n_copies > 0 {
             let op_blocks = (n_ops as u32).div_ceil(THREADS);
             let grid = op_blocks + n_copies as u32 * COPY_BLOCKS;
@@ -365,16 +415,18 @@ impl DeviceTables {
             };
             ck(r, "cuLaunchKernel(mb_paged_slots)")?;
         }
-        let slot = &mut self.ring[i];
-        if let Some(e) = slot.event {
-            self.driver().record_event(e, stream).map_err(|e| e.to_string())?;
-        }
-        self.ring[i].busy = true;
         Ok(())
     }
 
     /// Waits for the staging buffers' last kernels and frees them (the pool is going away).
     pub(crate) fn release(&mut self) {
+        let filling = self.filling;
+        if self.retire_filling().is_err() {
+            // No event behind its kernels: leak the buffer rather than free it under them.
+            if let Some(i) = filling {
+                self.ring[i].host = ptr::null_mut();
+            }
+        }
         let ring = std::mem::take(&mut self.ring);
         for s in ring {
             if let Some(e) = s.event {

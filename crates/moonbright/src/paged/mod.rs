@@ -348,7 +348,7 @@ impl<'a> PagedPool<'a> {
             }
         };
         let applier = match alloc.driver().inner() {
-            crate::Backend::Cuda(d) => match device::DeviceTables::new(d) {
+            crate::Backend::Cuda(d) => match device::DeviceTables::new(d, stream) {
                 Ok(t) => Applier::Device(t),
                 Err(e) => {
                     let _ = store.release(stream);
@@ -1204,9 +1204,9 @@ impl<'a> PagedPool<'a> {
     /// reference). A failure poisons the pool.
     fn apply_delta(&mut self) -> PagedResult<()> {
         let applied = match &mut self.applier {
-            Applier::Device(t) => t
-                .launch(&self.delta, &self.ptrs, &self.cfg, self.stream)
-                .map_err(PagedError::Device),
+            Applier::Device(t) => {
+                t.launch(&self.delta, &self.ptrs, &self.cfg).map_err(PagedError::Device)
+            }
             Applier::Host(h) => apply_on_host(self.alloc, h, &self.delta, &self.ptrs, &self.cfg),
         };
         if let Err(e) = applied {
