@@ -1,8 +1,8 @@
 """Per decode step: the time to bring the block table and slot mapping up to date on the GPU
 (CUDA events, with the stream held busy first so that only device work is timed) and the host
 CPU time of the host-side calls (perf_counter), for
-  (a) MoonBright's paged pool: one Rust call per step updates host metadata in place and
-      launches the table kernels from a compact delta;
+  (a) MoonBright's paged pool: one call per step (PagedKVPool.step: departures, arrivals, decode
+      tokens) updates host metadata in place and launches the table kernel on a compact delta;
   (b) vLLM V1 style: an incremental numpy block table and a vectorised slot mapping on pinned
       memory, copied with torch.from_numpy(pinned).to(dev, non_blocking=True);
   (c) vLLM V0 style: tables rebuilt from Python lists every step and copied.
@@ -92,9 +92,7 @@ class MoonBright:
             dep.append(live[i])
             live[i] = live[-1]
             live.pop()
-        self.pool.free_many(dep)
-        live += self.pool.add_many(arrive)
-        return self.pool.decode_step()
+        live += self.pool.step(dep, arrive)
 
     def tables(self):
         return self.pool.block_table, self.pool.slot_mapping

@@ -143,6 +143,12 @@ class PagedKVPool:
         """Ships the step's delta and launches the table kernels; returns its token count."""
         return self._pool.commit()
 
+    def step(self, free: list[int] = (), add: list[int] = ()) -> list[int]:
+        """One serving step in one call: frees ``free``, adds one sequence per prompt length in
+        ``add`` (their prompt tokens get slots), gives every live sequence its decode token and
+        commits. Returns the new sequences' ids."""
+        return self._pool.step(free, add)
+
     def decode_step(self) -> int:
         """Every live sequence +1 token, committed; returns the step's token count."""
         return self._pool.decode_step()

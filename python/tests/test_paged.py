@@ -59,6 +59,30 @@ def test_tables_follow_a_decode_loop():
     pool.check_invariants()
 
 
+def test_step_equals_free_add_decode():
+    """step(free, add) leaves the same tables and returns the same ids as free_many, add_many
+    and decode_step; a refused step raises and leaves the pool usable."""
+    one, two = make(max_seqs=8), make(max_seqs=8)
+    ids_one = one.add_many([5, 2, 7])
+    ids_two = two.add_many([5, 2, 7])
+    one.commit(), two.commit()
+    plan = [([], [3]), ([ids_one[1]], [1, 9]), ([], []), ([ids_one[0]], [])]
+    for free, add in plan:
+        new_two = two.step([ids_two[ids_one.index(s)] for s in free], add)
+        one.free_many(free)
+        new_one = one.add_many(add)
+        one.decode_step()
+        assert new_one == new_two
+        ids_one += new_one
+        ids_two += new_two
+        for name in ("block_table", "seq_lens", "batch_rows", "slot_mapping"):
+            assert (as_np(getattr(one, name)) == as_np(getattr(two, name))).all(), name
+    with pytest.raises(FreedSequenceError):
+        two.step([ids_two[0]], [])  # freed in the plan above
+    two.step()
+    two.check_invariants()
+
+
 def test_fork_shares_pages_and_copies_on_write():
     pool = make()
     a = pool.add(6)

@@ -135,6 +135,22 @@ impl PagedPool {
         seqs.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))
     }
 
+    /// One decode step in one call: frees `free`, adds a sequence per prompt length of `add`,
+    /// gives every live sequence its decode token and commits (`free_many`, `add_many`,
+    /// `decode_step`). Returns the new sequences' ids. A refusal stops it where it happened:
+    /// what came before stays done, not yet committed.
+    #[pyo3(signature = (free=Vec::new(), add=Vec::new()))]
+    fn step(&mut self, free: Vec<u64>, add: Vec<u32>) -> PyResult<Vec<u64>> {
+        let mut pool = self.pool();
+        free.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))?;
+        let ids = add
+            .into_iter()
+            .map(|n| pool.add(n).map(|s| s.0).map_err(err))
+            .collect::<PyResult<Vec<u64>>>()?;
+        pool.decode_step().map_err(err)?;
+        Ok(ids)
+    }
+
     /// Commits the step (kernels on the stream, no host wait); returns its token count.
     fn commit(&mut self) -> PyResult<u32> {
         self.pool().commit_step().map(|d| d.step_tokens()).map_err(err)

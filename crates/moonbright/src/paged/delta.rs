@@ -9,6 +9,10 @@ pub const OP_LEN: u32 = 1;
 /// A [`TableOp`] writing `batch_rows[index]` (index = position in the batch).
 pub const OP_BATCH: u32 = 2;
 
+/// A [`TableOp`] writing -1 into `block_table[index .. index + value]` (columns of one row a
+/// freed or shortened sequence no longer holds): one record instead of one per column.
+pub const OP_CLEAR: u32 = 3;
+
 /// The row of a [`TokenRun`] whose tokens were truncated later in the same step: slots -1.
 pub const DEAD_ROW: u32 = u32::MAX;
 
@@ -17,11 +21,12 @@ pub const DEAD_ROW: u32 = u32::MAX;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableOp {
-    /// [`OP_BLOCK`], [`OP_LEN`] or [`OP_BATCH`].
+    /// [`OP_BLOCK`], [`OP_LEN`], [`OP_BATCH`] or [`OP_CLEAR`].
     pub kind: u32,
     /// The element written.
     pub index: u32,
-    /// Its new value (a page id or -1, a length, a row).
+    /// Its new value (a page id or -1, a length, a row), or for [`OP_CLEAR`] the number of
+    /// entries cleared.
     pub value: i32,
 }
 

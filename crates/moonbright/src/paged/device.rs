@@ -16,6 +16,7 @@ use super::delta::{Delta, PageCopy, TableOp, TokenRun};
 use super::{PagedConfig, PagedError, PagedResult, TablePointers};
 use crate::driver::cuda::{describe, missing_symbols, CudaDriver};
 use crate::driver::{Driver, EventHandle, StreamHandle};
+use crate::DevicePtr;
 
 /// The kernels' CUDA C source.
 pub fn kernel_source() -> &'static str {
@@ -70,11 +71,10 @@ fn ck(r: sys::CUresult, call: &str) -> Result<(), String> {
     }
 }
 
-/// The two kernels of a loaded module.
+/// The kernel of a loaded module.
 #[derive(Clone, Copy, Debug)]
 struct Kernels {
-    apply: sys::CUfunction,
-    slots: sys::CUfunction,
+    step: sys::CUfunction,
 }
 // SAFETY: CUfunction handles are opaque, valid while their module is loaded (for good: modules
 // are cached and never unloaded), and usable from any thread with the context current.
@@ -124,7 +124,7 @@ fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
         ck(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, name)?;
         Ok(f)
     };
-    let k = Kernels { apply: function("mb_paged_apply")?, slots: function("mb_paged_slots")? };
+    let k = Kernels { step: function("mb_paged_step")? };
     let mut held: sys::CUcontext = ptr::null_mut();
     // SAFETY: valid out-pointer; `dev` came from cuDeviceGet. The reference is never released
     // (see MODULES).
@@ -155,6 +155,8 @@ pub(crate) struct DeviceTables {
     used: usize,
     /// The pool's stream: every launch, and the events behind them.
     stream: StreamHandle,
+    /// The kernel's block counters (zeroed device memory of the pool, zero between launches).
+    sync: DevicePtr,
     driver: *const CudaDriver,
 }
 
@@ -168,6 +170,32 @@ const MAX_RING: usize = 64;
 /// The smallest staging buffer: a step of 4096 decode rows uses about 10 KB of it.
 const MIN_STAGING: usize = 256 << 10;
 const THREADS: u32 = 256;
+
+/// `mb_paged_step`'s one argument; the twin of `StepArgs` in kernels.cu.
+#[repr(C)]
+struct StepArgs {
+    ops: DevicePtr,
+    copies: DevicePtr,
+    runs: DevicePtr,
+    block_table: DevicePtr,
+    seq_lens: DevicePtr,
+    batch_rows: DevicePtr,
+    pages: DevicePtr,
+    slot_mapping: DevicePtr,
+    sync: DevicePtr,
+    page_bytes: u64,
+    n_ops: u32,
+    n_copies: u32,
+    n_runs: u32,
+    explicit_tokens: u32,
+    decode_rows: u32,
+    max_pages_per_seq: u32,
+    tokens_per_page: u32,
+    op_blocks: u32,
+    copy_blocks: u32,
+    pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<StepArgs>() == 120);
 const COPY_BLOCKS: u32 = 4;
 
 fn align16(n: usize) -> usize {
@@ -175,7 +203,7 @@ fn align16(n: usize) -> usize {
 }
 
 impl DeviceTables {
-    pub(crate) fn new(d: &CudaDriver, stream: StreamHandle) -> PagedResult<Self> {
+    pub(crate) fn new(d: &CudaDriver, stream: StreamHandle, sync: DevicePtr) -> PagedResult<Self> {
         let kernels = kernels_for(d).map_err(PagedError::Device)?;
         Ok(DeviceTables {
             kernels,
@@ -184,6 +212,7 @@ impl DeviceTables {
             filling: None,
             used: 0,
             stream,
+            sync,
             driver: d,
         })
     }
@@ -328,93 +357,53 @@ impl DeviceTables {
                 runs_bytes,
             );
         }
-        let s = self.stream.0 as sys::CUstream;
-        if n_ops > 0 || n_copies > 0 {
-            let op_blocks = (n_ops as u32).div_ceil(THREADS);
-            let grid = op_blocks + n_copies as u32 * COPY_BLOCKS;
-            let mut a0 = dev;
-            let mut a1 = n_ops as u32;
-            let mut a2 = dev + ops_bytes as u64;
-            let mut a3 = n_copies as u32;
-            let mut a4 = p.block_table;
-            let mut a5 = p.seq_lens;
-            let mut a6 = p.batch_rows;
-            let mut a7 = p.pages;
-            let mut a8 = cfg.page_bytes() as u64;
-            let mut a9 = op_blocks;
-            let mut args: [*mut c_void; 10] = [
-                (&mut a0 as *mut u64).cast(),
-                (&mut a1 as *mut u32).cast(),
-                (&mut a2 as *mut u64).cast(),
-                (&mut a3 as *mut u32).cast(),
-                (&mut a4 as *mut u64).cast(),
-                (&mut a5 as *mut u64).cast(),
-                (&mut a6 as *mut u64).cast(),
-                (&mut a7 as *mut u64).cast(),
-                (&mut a8 as *mut u64).cast(),
-                (&mut a9 as *mut u32).cast(),
-            ];
-            // SAFETY: the arguments match mb_paged_apply's parameters in number and type and
-            // live across the call (the driver copies them); every pointer is a buffer of this
-            // pool (fixed tables, pages, this staging buffer) that outlives the kernel.
-            let r = unsafe {
-                sys::cuLaunchKernel(
-                    self.kernels.apply,
-                    grid,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    s,
-                    args.as_mut_ptr(),
-                    ptr::null_mut(),
-                )
-            };
-            ck(r, "cuLaunchKernel(mb_paged_apply)")?;
-        }
-        if tokens > 0 {
-            let mut a0 = dev + (ops_bytes + copies_bytes) as u64;
-            let mut a1 = n_runs as u32;
-            let mut a2 = d.explicit_tokens;
-            let mut a3 = d.decode_rows;
-            let mut a4 = p.block_table;
-            let mut a5 = cfg.max_pages_per_seq;
-            let mut a6 = cfg.tokens_per_page;
-            let mut a7 = p.seq_lens;
-            let mut a8 = p.batch_rows;
-            let mut a9 = p.slot_mapping;
-            let mut args: [*mut c_void; 10] = [
-                (&mut a0 as *mut u64).cast(),
-                (&mut a1 as *mut u32).cast(),
-                (&mut a2 as *mut u32).cast(),
-                (&mut a3 as *mut u32).cast(),
-                (&mut a4 as *mut u64).cast(),
-                (&mut a5 as *mut u32).cast(),
-                (&mut a6 as *mut u32).cast(),
-                (&mut a7 as *mut u64).cast(),
-                (&mut a8 as *mut u64).cast(),
-                (&mut a9 as *mut u64).cast(),
-            ];
-            // SAFETY: as above, for mb_paged_slots.
-            let r = unsafe {
-                sys::cuLaunchKernel(
-                    self.kernels.slots,
-                    tokens.div_ceil(THREADS),
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    s,
-                    args.as_mut_ptr(),
-                    ptr::null_mut(),
-                )
-            };
-            ck(r, "cuLaunchKernel(mb_paged_slots)")?;
-        }
+        let op_blocks = (n_ops as u32).div_ceil(THREADS);
+        let copy_blocks = n_copies as u32 * COPY_BLOCKS;
+        let grid = op_blocks + copy_blocks + tokens.div_ceil(THREADS);
+        let dev_at = |offset: usize| dev + offset as u64;
+        let args = StepArgs {
+            ops: dev_at(0),
+            copies: dev_at(ops_bytes),
+            runs: dev_at(ops_bytes + copies_bytes),
+            block_table: p.block_table,
+            seq_lens: p.seq_lens,
+            batch_rows: p.batch_rows,
+            pages: p.pages,
+            slot_mapping: p.slot_mapping,
+            sync: self.sync,
+            page_bytes: cfg.page_bytes() as u64,
+            n_ops: n_ops as u32,
+            n_copies: n_copies as u32,
+            n_runs: n_runs as u32,
+            explicit_tokens: d.explicit_tokens,
+            decode_rows: d.decode_rows,
+            max_pages_per_seq: cfg.max_pages_per_seq,
+            tokens_per_page: cfg.tokens_per_page,
+            op_blocks,
+            copy_blocks,
+            pad: 0,
+        };
+        let mut params: [*mut c_void; 1] = [(&args as *const StepArgs).cast_mut().cast()];
+        // SAFETY: mb_paged_step takes one `StepArgs` by value and this is its `repr(C)` twin
+        // (the layout is asserted on both sides); the driver copies it during the call. Every
+        // pointer in it is a buffer of this pool (fixed tables, pages, counters, the staging
+        // bytes reserved above) that outlives the kernel.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                self.kernels.step,
+                grid,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                self.stream.0 as sys::CUstream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        };
+        ck(r, "cuLaunchKernel(mb_paged_step)")?;
         Ok(())
     }
 
@@ -473,9 +462,7 @@ mod tests {
         }
         let ptx = compile_ptx(&NvrtcOptions { arch: (8, 0), line_info: true })
             .unwrap_or_else(|e| panic!("{e}"));
-        for k in ["mb_paged_apply", "mb_paged_slots"] {
-            assert!(ptx.contains(&format!(".entry {k}")), "{k} missing from the PTX");
-        }
+        assert!(ptx.contains(".entry mb_paged_step"), "mb_paged_step missing from the PTX");
         println!("compiled the paged kernels: {} bytes of PTX", ptx.len());
     }
 }

@@ -3,9 +3,11 @@
 //! sequence per step replaced by arrivals of 16..512-token prompts, pages of 16 tokens), timing
 //! the frees, the adds and the decode step's metadata and delta, but not the delta's
 //! application (on the host backend that rewrites whole tables through the allocator, which the
-//! GPU path does not pay).
+//! GPU path does not pay). With `MB_PAGED_BACKEND=cuda` (on a GPU machine) the pool is on the
+//! CUDA backend and the delta's launch is timed too: what a step costs the host in all.
 //!
 //!     cargo test -p moonbright --release --lib paged_host_bench -- --ignored --nocapture
+//!     MB_PAGED_BACKEND=cuda target/release/deps/moonbright-* paged_host_bench --ignored --nocapture
 
 use std::time::Instant;
 
@@ -13,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::{PagedConfig, PagedPool, SeqId};
-use crate::{Allocator, Options, StreamHandle};
+use crate::{Allocator, BackendKind, Options, StreamHandle};
 
 const T: u32 = 16;
 const MAX_LEN: u32 = 4096;
@@ -79,9 +81,20 @@ fn paged_host_bench() {
             max_step_tokens: n as u32 + 64 * PROMPT.1 + 4096,
         };
         let bytes = (cfg.max_pages as u64 * cfg.page_bytes() as u64).next_power_of_two() * 2;
-        let a = Allocator::new(Options { cap_fraction: 1.0, ..Options::host(bytes, 64 << 10) })
-            .unwrap();
-        let mut pool = PagedPool::new(&a, cfg, StreamHandle::DEFAULT).unwrap();
+        let cuda = std::env::var("MB_PAGED_BACKEND").is_ok_and(|b| b == "cuda");
+        let opts = if cuda {
+            Options { backend: BackendKind::Cuda, cap_bytes: Some(bytes), ..Options::default() }
+        } else {
+            Options { cap_fraction: 1.0, ..Options::host(bytes, 64 << 10) }
+        };
+        let a = Allocator::new(opts).unwrap();
+        let stream = if cuda {
+            use crate::driver::Driver;
+            a.driver().create_stream().unwrap()
+        } else {
+            StreamHandle::DEFAULT
+        };
+        let mut pool = PagedPool::new(&a, cfg, stream).unwrap();
         let (init, events) = workload(n, warmup + steps, 7);
         let mut live: Vec<SeqId> = Vec::new();
         for chunk in init.chunks(32) {
@@ -91,9 +104,19 @@ fn paged_host_bench() {
             pool.commit_step().unwrap();
         }
         let (mut free_add, mut decode, mut total) = (Vec::new(), Vec::new(), Vec::new());
-        let mut close = Vec::new();
+        let (mut close, mut launch) = (Vec::new(), Vec::new());
         let mut ops = 0usize;
+        // MB_PAGED_EVICT=<MiB>: between steps, sweep that much other memory, as the rest of a
+        // serving loop would, so that each step starts with the caches of a real one.
+        let evict_mib: usize = std::env::var("MB_PAGED_EVICT").map_or(0, |s| s.parse().unwrap());
+        let mut other = vec![1u64; evict_mib << 17];
         for (k, (gone, arrive)) in events.iter().enumerate() {
+            let mut acc = 0u64;
+            for x in other.iter_mut().step_by(8) {
+                *x = x.wrapping_add(acc);
+                acc = acc.wrapping_add(*x);
+            }
+            std::hint::black_box(acc);
             let dep: Vec<SeqId> = gone.iter().map(|&i| live.swap_remove(i)).collect();
             let t0 = Instant::now();
             for &s in &dep {
@@ -108,8 +131,14 @@ fn paged_host_bench() {
             let tm = Instant::now();
             pool.close_step(true);
             let t2 = Instant::now();
+            if cuda {
+                // The host backend's apply rewrites whole tables; only the launch is timed.
+                pool.apply_delta().unwrap();
+            }
+            let t3 = Instant::now();
             if k >= warmup {
                 close.push((t2 - tm).as_secs_f64() * 1e6);
+                launch.push((t3 - t2).as_secs_f64() * 1e6);
             }
             ops += pool.delta.ops.len();
             if k >= warmup {
@@ -119,6 +148,10 @@ fn paged_host_bench() {
             }
         }
         pool.check_invariants().unwrap();
+        if cuda {
+            pool.synchronize().unwrap();
+            println!("N={n:6}: launch (cuda) us/step median {:6.2}", median(&mut launch));
+        }
         println!(
             "N={n:6}: host us/step median: total {:7.2}  free+add {:6.2}  decode+delta {:7.2} \
              (of which delta {:6.2}; {:.2} ns/seq; {:.0} table ops/step)",

@@ -14,15 +14,19 @@ mod device;
 mod host_bench;
 mod ids;
 pub mod reference;
+mod rows;
 mod store;
 
 use std::collections::HashMap;
 use std::fmt;
 
-pub use delta::{Delta, PageCopy, TableOp, TokenRun, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_LEN};
+pub use delta::{
+    Delta, PageCopy, TableOp, TokenRun, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN,
+};
 pub use device::{kernel_source, nvrtc_options, NvrtcOptions};
 use ids::FreeIds;
 use reference::HostTables;
+use rows::{PageLists, RowHot};
 use store::{GrowableStore, PageStore};
 
 use crate::{Allocator, DevicePtr, StreamHandle};
@@ -217,6 +221,9 @@ pub struct TablePointers {
     pub pages: DevicePtr,
 }
 
+/// Bytes of the step kernel's counters (three u32, padded).
+const SYNC_BYTES: usize = 16;
+
 /// Most phase buckets (see `PagedPool::phase_rows`): with larger pages, a decode step's bucket
 /// also holds rows that do not start a page, one in `tokens_per_page / MAX_PHASE_BUCKETS`.
 const MAX_PHASE_BUCKETS: u32 = 64;
@@ -235,15 +242,17 @@ pub struct PagedPool<'a> {
     stream: StreamHandle,
     store: Box<dyn PageStore + 'a>,
     ptrs: TablePointers,
+    /// The step kernel's block counters (`SYNC_BYTES`, zero between launches; see kernels.cu).
+    sync: DevicePtr,
     applier: Applier,
     poisoned: Option<String>,
 
     // Per row.
     generation: Vec<u32>,
     live: Vec<bool>,
-    /// The row's length minus `decodes` (wrapping): a decode step grows every length by
-    /// bumping `decodes` alone. See [`len_of`](Self::len_of).
-    len_rel: Vec<u32>,
+    /// The row's length (less `decodes`, wrapping: a decode step grows every length by bumping
+    /// `decodes` alone; see [`len_of`](Self::len_of)) and this step's block marks.
+    hot: Vec<RowHot>,
     /// Decode steps so far (wrapping).
     decodes: u32,
     /// `decodes % tokens_per_page`.
@@ -259,7 +268,7 @@ pub struct PagedPool<'a> {
     /// Rows whose `tail_shared` may be set (each once; `in_shared` marks them).
     shared_rows: Vec<u32>,
     in_shared: Vec<bool>,
-    pages: Vec<Vec<u32>>,
+    pages: PageLists,
     batch_pos: Vec<u32>,
     /// The row's last page may be shared (checked against its reference count before a write).
     tail_shared: Vec<bool>,
@@ -273,9 +282,7 @@ pub struct PagedPool<'a> {
 
     // This step's changes.
     step: u32,
-    blk_stamp: Vec<u32>,
-    blk_lo: Vec<u32>,
-    blk_hi: Vec<u32>,
+    /// Rows with block marks this step (the marks are in `hot`).
     blk_rows: Vec<u32>,
     len_stamp: Vec<u32>,
     /// The step in which the row last had tokens added.
@@ -324,6 +331,8 @@ impl<'a> PagedPool<'a> {
             let seq_lens = take(seqs * 4)?;
             let batch_rows = take(seqs * 4)?;
             let slot_mapping = take(cfg.max_step_tokens as usize * 8)?;
+            let sync = take(SYNC_BYTES)?;
+            alloc.write(sync, &[0; SYNC_BYTES])?;
             alloc.write(block_table, &vec![0xff; cells * 4])?;
             alloc.write(seq_lens, &vec![0; seqs * 4])?;
             alloc.write(batch_rows, &vec![0; seqs * 4])?;
@@ -336,9 +345,9 @@ impl<'a> PagedPool<'a> {
                 slot_mapping,
                 pages: store.base(),
             };
-            Ok::<_, PagedError>((store, ptrs))
+            Ok::<_, PagedError>((store, ptrs, sync))
         })();
-        let (mut store, ptrs) = match made {
+        let (mut store, ptrs, sync) = match made {
             Ok(x) => x,
             Err(e) => {
                 for p in bufs {
@@ -348,7 +357,7 @@ impl<'a> PagedPool<'a> {
             }
         };
         let applier = match alloc.driver().inner() {
-            crate::Backend::Cuda(d) => match device::DeviceTables::new(d, stream) {
+            crate::Backend::Cuda(d) => match device::DeviceTables::new(d, stream, sync) {
                 Ok(t) => Applier::Device(t),
                 Err(e) => {
                     let _ = store.release(stream);
@@ -371,11 +380,12 @@ impl<'a> PagedPool<'a> {
             stream,
             store: Box::new(store),
             ptrs,
+            sync,
             applier,
             poisoned: None,
             generation: vec![0; seqs],
             live: vec![false; seqs],
-            len_rel: vec![0; seqs],
+            hot: vec![RowHot::default(); seqs],
             decodes: 0,
             decode_phase: 0,
             phase_rows: vec![Vec::new(); cfg.tokens_per_page.min(MAX_PHASE_BUCKETS) as usize],
@@ -383,7 +393,7 @@ impl<'a> PagedPool<'a> {
             phase_pos: vec![0; seqs],
             shared_rows: Vec::new(),
             in_shared: vec![false; seqs],
-            pages: vec![Vec::new(); seqs],
+            pages: PageLists::new(seqs, cfg.max_pages_per_seq as usize),
             batch_pos: vec![0; seqs],
             tail_shared: vec![false; seqs],
             free_rows,
@@ -392,9 +402,6 @@ impl<'a> PagedPool<'a> {
             free_pages: FreeIds::new(),
             batch: Vec::with_capacity(seqs),
             step: 1,
-            blk_stamp: vec![0; seqs],
-            blk_lo: vec![0; seqs],
-            blk_hi: vec![0; seqs],
             blk_rows: Vec::new(),
             len_stamp: vec![0; seqs],
             token_stamp: vec![0; seqs],
@@ -477,7 +484,7 @@ impl<'a> PagedPool<'a> {
 
     /// The pages of a live sequence, in order.
     pub fn pages(&self, seq: SeqId) -> PagedResult<&[u32]> {
-        Ok(&self.pages[self.live_row(seq, "query")? as usize])
+        Ok(self.pages.get(self.live_row(seq, "query")? as usize))
     }
 
     /// How many sequences hold page `page`.
@@ -535,10 +542,12 @@ impl<'a> PagedPool<'a> {
         self.live_rows += 1;
         self.place(row, prompt_len);
         self.tail_shared[r] = false;
-        let mut pages = std::mem::take(&mut self.pages[r]);
-        pages.clear();
-        self.take_pages(np, &mut pages);
-        self.pages[r] = pages;
+        let mut fresh = std::mem::take(&mut self.fresh_pages);
+        fresh.clear();
+        self.take_pages(np, &mut fresh);
+        self.pages.truncate(r, 0);
+        self.pages.extend(r, &fresh);
+        self.fresh_pages = fresh;
         self.batch_pos[r] = self.batch.len() as u32;
         self.batch.push(row);
         self.mark_batch(self.batch.len() as u32 - 1);
@@ -578,7 +587,7 @@ impl<'a> PagedPool<'a> {
         self.tail_shared[r] = false;
         for _ in cur_np..new_np {
             let p = self.take_page();
-            self.pages[r].push(p);
+            self.pages.push(r, p);
         }
         self.mark_blocks(row, cur_np, new_np);
         self.set_len(row, new_len as u32);
@@ -604,14 +613,11 @@ impl<'a> PagedPool<'a> {
         self.live_rows += 1;
         let len = self.len_of(prow);
         self.place(row, len);
-        let mut pages = std::mem::take(&mut self.pages[r]);
-        pages.clear();
-        pages.extend_from_slice(&self.pages[prow]);
-        for &p in &pages {
+        self.pages.copy_row(prow, r);
+        for &p in self.pages.get(r) {
             self.refs[p as usize] += 1;
         }
-        let np = pages.len() as u32;
-        self.pages[r] = pages;
+        let np = self.pages.len(r) as u32;
         let partial = len % self.cfg.tokens_per_page != 0;
         self.set_tail_shared(r, partial);
         if partial {
@@ -635,19 +641,18 @@ impl<'a> PagedPool<'a> {
             return Err(PagedError::BadTruncate { seq, len, new_len });
         }
         let keep = new_len.div_ceil(self.cfg.tokens_per_page);
-        let old_np = self.pages[r].len() as u32;
-        let mut dropped = std::mem::take(&mut self.pages[r]);
-        for p in dropped.drain(keep as usize..) {
-            self.drop_ref(p);
+        let old_np = self.pages.len(r) as u32;
+        for c in keep..old_np {
+            self.drop_ref(self.pages.get(r)[c as usize]);
         }
-        self.pages[r] = dropped;
+        self.pages.truncate(r, keep as usize);
         self.mark_blocks(row, keep, old_np);
         if self.token_stamp[r] == self.step {
             self.clip_runs(row, new_len);
         }
         self.set_len(row, new_len);
         let shared = new_len % self.cfg.tokens_per_page != 0
-            && self.pages[r].last().is_some_and(|&p| self.refs[p as usize] > 1);
+            && self.pages.last(r).is_some_and(|p| self.refs[p as usize] > 1);
         self.set_tail_shared(r, shared);
         self.mark_len(row);
         Ok(())
@@ -659,12 +664,11 @@ impl<'a> PagedPool<'a> {
         self.check_usable()?;
         let row = self.live_row(seq, "free")?;
         let r = row as usize;
-        let np = self.pages[r].len() as u32;
-        let mut pages = std::mem::take(&mut self.pages[r]);
-        for p in pages.drain(..) {
-            self.drop_ref(p);
+        let np = self.pages.len(r) as u32;
+        for c in 0..np {
+            self.drop_ref(self.pages.get(r)[c as usize]);
         }
-        self.pages[r] = pages;
+        self.pages.truncate(r, 0);
         self.mark_blocks(row, 0, np);
         self.unplace(row);
         self.live[r] = false;
@@ -702,13 +706,16 @@ impl<'a> PagedPool<'a> {
         let b = self.due_bucket();
         let mut starting = 0u64;
         let mut too_long = false;
+        let mut probe = 0u32;
         for &row in &self.phase_rows[b] {
             let len = self.len_of(row as usize);
             if len % t == 0 {
                 too_long |= len as u64 >= max;
                 starting += 1;
+                probe ^= self.pages.next_cell(row as usize);
             }
         }
+        std::hint::black_box(probe);
         let mut need = starting;
         if too_long {
             // Name the first such row in batch order.
@@ -743,7 +750,7 @@ impl<'a> PagedPool<'a> {
             let len = self.len_of(r);
             if len % t == 0 {
                 let p = *fresh_pages.next().expect("one page per row starting one");
-                self.pages[r].push(p);
+                self.pages.push(r, p);
                 let c = len / t;
                 self.mark_blocks(row, c, c + 1);
             }
@@ -856,14 +863,14 @@ impl<'a> PagedPool<'a> {
         let t = self.cfg.tokens_per_page;
         for r in 0..self.live.len() {
             if !self.live[r] {
-                if !self.pages[r].is_empty() {
+                if self.pages.len(r) != 0 {
                     return Err(format!("free row {r} holds pages"));
                 }
                 continue;
             }
             let len = self.len_of(r);
-            if self.pages[r].len() as u32 != len.div_ceil(t) {
-                return Err(format!("row {r}: {} pages for {len} tokens", self.pages[r].len()));
+            if self.pages.len(r) as u32 != len.div_ceil(t) {
+                return Err(format!("row {r}: {} pages for {len} tokens", self.pages.len(r)));
             }
             let b = self.phase_bucket[r] as usize;
             if self.phase_bucket[r] != self.bucket_for(len)
@@ -874,7 +881,7 @@ impl<'a> PagedPool<'a> {
             if self.tail_shared[r] && !self.in_shared[r] {
                 return Err(format!("row {r}: tail_shared but not listed"));
             }
-            for &p in &self.pages[r] {
+            for &p in self.pages.get(r) {
                 refs[p as usize] += 1;
             }
             let i = self.batch_pos[r] as usize;
@@ -968,7 +975,7 @@ impl<'a> PagedPool<'a> {
     /// The token count of row `r` (live).
     #[inline]
     fn len_of(&self, r: usize) -> u32 {
-        self.len_rel[r].wrapping_add(self.decodes)
+        self.hot[r].len_rel.wrapping_add(self.decodes)
     }
 
     /// The phase bucket of a live row of length `len`.
@@ -986,7 +993,7 @@ impl<'a> PagedPool<'a> {
     /// Gives a row that just became live its length, and puts it in its bucket.
     fn place(&mut self, row: u32, len: u32) {
         let r = row as usize;
-        self.len_rel[r] = len.wrapping_sub(self.decodes);
+        self.hot[r].len_rel = len.wrapping_sub(self.decodes);
         let b = self.bucket_for(len);
         self.phase_bucket[r] = b;
         self.phase_pos[r] = self.phase_rows[b as usize].len() as u32;
@@ -1009,7 +1016,7 @@ impl<'a> PagedPool<'a> {
     fn set_len(&mut self, row: u32, len: u32) {
         let r = row as usize;
         if self.bucket_for(len) == self.phase_bucket[r] {
-            self.len_rel[r] = len.wrapping_sub(self.decodes);
+            self.hot[r].len_rel = len.wrapping_sub(self.decodes);
         } else {
             self.unplace(row);
             self.place(row, len);
@@ -1051,14 +1058,14 @@ impl<'a> PagedPool<'a> {
     /// and held by another sequence too.
     fn tail_needs_copy(&self, r: usize) -> bool {
         self.len_of(r) % self.cfg.tokens_per_page != 0
-            && self.pages[r].last().is_some_and(|&p| self.refs[p as usize] > 1)
+            && self.pages.last(r).is_some_and(|p| self.refs[p as usize] > 1)
     }
 
     /// Gives the row a private copy of its shared last page.
     fn copy_tail(&mut self, row: u32) {
         let r = row as usize;
-        let c = self.pages[r].len() - 1;
-        let old = self.pages[r][c];
+        let c = self.pages.len(r) - 1;
+        let old = self.pages.get(r)[c];
         let new = self.take_page();
         // A page copied earlier this step has the same bytes as its source until the step's
         // tokens are written, which happens after the commit: read the original, so that the
@@ -1067,7 +1074,7 @@ impl<'a> PagedPool<'a> {
         self.copies.push(PageCopy { src, dst: new });
         self.copied_from.insert(new, src);
         self.refs[old as usize] -= 1;
-        self.pages[r][c] = new;
+        self.pages.set(r, c, new);
         self.mark_blocks(row, c as u32, c as u32 + 1);
     }
 
@@ -1076,14 +1083,15 @@ impl<'a> PagedPool<'a> {
             return;
         }
         let r = row as usize;
-        if self.blk_stamp[r] != self.step {
-            self.blk_stamp[r] = self.step;
-            self.blk_lo[r] = lo;
-            self.blk_hi[r] = hi;
+        let h = &mut self.hot[r];
+        if h.blk_stamp != self.step {
+            h.blk_stamp = self.step;
+            h.blk_lo = lo;
+            h.blk_hi = hi;
             self.blk_rows.push(row);
         } else {
-            self.blk_lo[r] = self.blk_lo[r].min(lo);
-            self.blk_hi[r] = self.blk_hi[r].max(hi);
+            h.blk_lo = h.blk_lo.min(lo);
+            h.blk_hi = h.blk_hi.max(hi);
         }
     }
 
@@ -1154,16 +1162,23 @@ impl<'a> PagedPool<'a> {
         d.clear();
         for &row in &self.blk_rows {
             let r = row as usize;
-            let pages = &self.pages[r];
-            for c in self.blk_lo[r]..self.blk_hi[r] {
-                let value = pages.get(c as usize).map_or(-1, |&p| p as i32);
+            let pages = self.pages.get(r);
+            let (lo, hi) = (self.hot[r].blk_lo, self.hot[r].blk_hi);
+            // Columns the row holds get their page; those past its end are cleared in one op.
+            let held = (pages.len() as u32).clamp(lo, hi);
+            for c in lo..held {
+                let value = pages[c as usize] as i32;
                 d.ops.push(TableOp { kind: OP_BLOCK, index: row * m + c, value });
+            }
+            if held < hi {
+                let index = row * m + held;
+                d.ops.push(TableOp { kind: OP_CLEAR, index, value: (hi - held) as i32 });
             }
         }
         for &row in &self.len_rows {
             let r = row as usize;
             // The decode kernel adds the decode token itself. A freed row's length is 0.
-            let len = self.len_rel[r].wrapping_add(self.decodes);
+            let len = self.hot[r].len_rel.wrapping_add(self.decodes);
             let value = if self.live[r] { len - decode as u32 } else { 0 };
             d.ops.push(TableOp { kind: OP_LEN, index: row, value: value as i32 });
         }
@@ -1186,7 +1201,7 @@ impl<'a> PagedPool<'a> {
         self.step = self.step.wrapping_add(1).max(1);
         if self.step == 1 {
             // The stamps wrapped around: forget them all.
-            self.blk_stamp.iter_mut().for_each(|s| *s = 0);
+            self.hot.iter_mut().for_each(|h| h.blk_stamp = 0);
             self.len_stamp.iter_mut().for_each(|s| *s = 0);
             self.bat_stamp.iter_mut().for_each(|s| *s = 0);
             self.token_stamp.iter_mut().for_each(|s| *s = 0);
@@ -1250,7 +1265,7 @@ impl Drop for PagedPool<'_> {
         }
         let _ = self.store.release(self.stream);
         let p = self.ptrs;
-        for ptr in [p.block_table, p.seq_lens, p.batch_rows, p.slot_mapping] {
+        for ptr in [p.block_table, p.seq_lens, p.batch_rows, p.slot_mapping, self.sync] {
             let _ = self.alloc.free_async(ptr, self.stream);
         }
     }

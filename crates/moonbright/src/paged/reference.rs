@@ -2,7 +2,7 @@
 //! the block table, lengths, batch list and slot mapping exactly as `kernels.cu` does on the
 //! device. The host backend uses it as its "device"; tests compare the GPU's tables with it.
 
-use super::delta::{Delta, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_LEN};
+use super::delta::{Delta, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN};
 
 /// Host copies of the device tables.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +59,7 @@ impl HostTables {
                 OP_BLOCK => self.block_table[i] = op.value,
                 OP_LEN => self.seq_lens[i] = op.value,
                 OP_BATCH => self.batch_rows[i] = op.value,
+                OP_CLEAR => self.block_table[i..i + op.value as usize].fill(-1),
                 other => unreachable!("unknown table op kind {other}"),
             }
         }
