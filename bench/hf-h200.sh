@@ -10,6 +10,7 @@
 #                                     # or START_default=.. START_expandable=.. etc.)
 #   QUICK=1 bash bench/hf-h200.sh     # at most 3 trials a configuration, resolution 8
 #   ALLOCS="growable moonbright" bash bench/hf-h200.sh 256
+#   ATTN=gqa ALLOCS=growable bash bench/hf-h200.sh 256   # with moonbright.transformers.gqa_attention
 #
 # Budgets (seconds per process, model load included): BUDGET_256 (110), BUDGET_1024 (300); a first
 # trial always runs. The moonbright wheel comes from carry/wheel (scripts/pack-gpu.sh) unless
@@ -35,12 +36,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
   | tee -a "$out/gpu.txt"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-# First batch of a 1024-token run: START_<alloc> if set (START_growable=80), else 3/4 of the same
-# configuration's 256-token result in this output folder, if any.
+# First batch of a run: START_<alloc> if set (START_growable=80); for a 1024-token run, else 3/4
+# of the same configuration's 256-token result in this output folder, if any.
 start_for() { # alloc
   local var="START_$1"
   [ -n "${!var:-}" ] && { echo "${!var}"; return; }
-  "$py" - "$out/hf_$1_256.json" <<'PY' 2>/dev/null
+  "$py" - "$out/hf_$1${ATTN:+_$ATTN}_256.json" <<'PY' 2>/dev/null
 import json, sys
 best = json.load(open(sys.argv[1]))["best"]
 print(max(4, best["batch"] * 3 // 4 // 4 * 4))
@@ -50,14 +51,15 @@ PY
 for n in "${lens[@]}"; do
   budget=${BUDGET_256:-110}; [ "$n" -ge 1024 ] && budget=${BUDGET_1024:-300}
   for a in "${allocs[@]}"; do
-    name="hf_${a}_${n}"
+    name="hf_${a}${ATTN:+_$ATTN}_${n}"
     start=()
-    if [ "$n" != 256 ]; then s=$(start_for "$a"); [ -n "$s" ] && start=(--start "$s"); fi
+    var="START_$a"
+    if [ "$n" != 256 ] || [ -n "${!var:-}" ]; then s=$(start_for "$a"); [ -n "$s" ] && start=(--start "$s"); fi
     echo "== $name (budget ${budget} s${start:+, start ${start[1]}})"
     t0=$SECONDS
     # The hard limit leaves room for one trial begun just inside the budget.
     if timeout $((budget + 120)) "$py" bench/hf_capacity.py --alloc "$a" --new-tokens "$n" \
-        --time-budget "$budget" $quick "${start[@]}" --out "$out/$name.json" >"$out/$name.log" 2>&1; then
+        ${ATTN:+--attn "$ATTN"} --time-budget "$budget" $quick "${start[@]}" --out "$out/$name.json" >"$out/$name.log" 2>&1; then
       echo "   ok ($((SECONDS - t0)) s)"
     else
       echo "   FAILED (status $?, $((SECONDS - t0)) s)"; status=1

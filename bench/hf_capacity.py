@@ -122,6 +122,9 @@ def main():
     ap.add_argument("--alloc", choices=ALLOCS, required=True)
     ap.add_argument("--cache", choices=("dynamic", "growable", "static"),
                     help="default: growable for --alloc growable, dynamic otherwise")
+    ap.add_argument("--attn", choices=("sdpa", "gqa"), default="sdpa",
+                    help="gqa: moonbright.transformers.gqa_attention (decode reads K and V in "
+                    "place instead of expanding them to every query head)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--cap", default="12GiB", help="memory cap (default 12GiB)")
     ap.add_argument("--start", type=int, help="first batch size tried (default per --alloc)")
@@ -177,6 +180,10 @@ def main():
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.eval()
+    if args.attn == "gqa":
+        from moonbright.transformers import use_gqa_attention
+
+        use_gqa_attention(model)
     elem = 2
     prompts = Prompts(torch, args.max_batch, args.prompt_min, args.prompt_max, cfg.vocab_size,
                       args.seed)
@@ -245,7 +252,8 @@ def main():
     base = torch.cuda.memory_allocated(device) if cuda else 0
 
     result = {
-        "alloc": args.alloc, "cache": cache_kind, "new_tokens": args.new_tokens, "cap_bytes": cap,
+        "alloc": args.alloc, "cache": cache_kind, "attn": args.attn, "new_tokens": args.new_tokens,
+        "cap_bytes": cap,
         "prompt_lengths": [args.prompt_min, args.prompt_max], "seed": args.seed,
         "model": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size",
                                                "num_hidden_layers", "num_attention_heads",
@@ -329,7 +337,8 @@ def main():
             x = (lo + hi) // 2
         return x if lo < x < hi else None
 
-    print(f"hf_capacity: {args.alloc} allocator, {cache_kind} cache, {args.new_tokens} new tokens, "
+    print(f"hf_capacity: {args.alloc} allocator, {cache_kind} cache, {args.attn} attention, "
+          f"{args.new_tokens} new tokens, "
           f"cap {cap / 2**30:.1f} GiB, {result['params'] / 1e9:.2f} B parameters, "
           f"fixed {base / 2**30:.2f} GiB, {result['gpu']}", flush=True)
     print(f"{'batch':>6} {'ok':>4} {'seconds':>8} {'tok/s':>9} {'peak alloc':>11} "

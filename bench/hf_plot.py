@@ -9,13 +9,21 @@ import json
 import os
 import sys
 
-ORDER = ["default/dynamic", "expandable/dynamic", "moonbright/dynamic", "growable/growable"]
+ORDER = ["default/dynamic", "expandable/dynamic", "moonbright/dynamic", "growable/growable",
+         "growable/growable/gqa"]
 LABEL = {
     "default/dynamic": "PyTorch default, DynamicCache",
     "expandable/dynamic": "PyTorch expandable segments, DynamicCache",
     "moonbright/dynamic": "MoonBright, DynamicCache",
     "growable/growable": "MoonBright, GrowableCache",
+    "growable/growable/gqa": "MoonBright, GrowableCache, gqa_attention",
 }
+
+
+def config_name(r):
+    """alloc/cache, and /attn when the run did not use transformers' sdpa."""
+    attn = r.get("attn", "sdpa")
+    return f"{r['alloc']}/{r['cache']}" + ("" if attn == "sdpa" else f"/{attn}")
 
 
 def load(paths):
@@ -29,8 +37,8 @@ def load(paths):
             continue
         if "trials" in r and "alloc" in r:
             runs.append(r)
-    key = lambda r: (r["new_tokens"], ORDER.index(f"{r['alloc']}/{r['cache']}")  # noqa: E731
-                     if f"{r['alloc']}/{r['cache']}" in ORDER else 99)
+    key = lambda r: (r["new_tokens"], ORDER.index(config_name(r))  # noqa: E731
+                     if config_name(r) in ORDER else 99)
     return sorted(runs, key=key)
 
 
@@ -41,7 +49,7 @@ def table(runs):
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        name = f"{r['alloc']}/{r['cache']}"
+        name = config_name(r)
         best = r.get("best")
         if best:
             copied = best.get("kv_bytes_copied")
@@ -72,14 +80,13 @@ def plot(runs, out):
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["new_tokens"] for r in runs})
-    names = [n for n in ORDER if any(f"{r['alloc']}/{r['cache']}" == n for r in runs)]
+    names = [n for n in ORDER if any(config_name(r) == n for r in runs)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         batch, rate = [], []
         for n in lengths:
-            r = next((r for r in runs if r["new_tokens"] == n and
-                      f"{r['alloc']}/{r['cache']}" == name), None)
+            r = next((r for r in runs if r["new_tokens"] == n and config_name(r) == name), None)
             best = r.get("best") if r else None
             batch.append(best["batch"] if best else 0)
             rate.append(best["tokens_per_s"] if best else 0)

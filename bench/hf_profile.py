@@ -26,11 +26,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--alloc", choices=hc.ALLOCS, required=True)
     ap.add_argument("--cache", choices=("dynamic", "growable", "static"))
+    ap.add_argument("--attn", choices=("sdpa", "gqa"), default="sdpa")
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--cap", default="12GiB")
     ap.add_argument("--steps", type=int, default=32, help="decode steps between the two timings")
     ap.add_argument("--compile", action="store_true", help="static cache: let generate compile")
     ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--profile-generate", type=int, default=0, metavar="N",
+                    help="also profile a whole generate of N new tokens (CPU and CUDA), with "
+                    "the time spent in GrowableCache's update and resize")
     ap.add_argument("--out")
     args = ap.parse_args()
     cache_kind = args.cache or ("growable" if args.alloc == "growable" else "dynamic")
@@ -53,6 +57,10 @@ def main():
     with torch.device(dev):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.eval()
+    if args.attn == "gqa":
+        from moonbright.transformers import use_gqa_attention
+
+        use_gqa_attention(model)
     prompts = hc.Prompts(torch, args.batch, 256, 1024, cfg.vocab_size, 0)
     ids, mask = prompts.batch(args.batch, dev)
 
@@ -83,7 +91,8 @@ def main():
             cache.release()
         return t
 
-    res = {"alloc": args.alloc, "cache": cache_kind, "batch": args.batch, "compile": args.compile,
+    res = {"alloc": args.alloc, "cache": cache_kind, "attn": args.attn, "batch": args.batch,
+           "compile": args.compile,
            "padded_prompt": int(ids.shape[1]), "torch": torch.__version__}
     t = time.perf_counter()
     generate(4)  # warm-up (and compilation, with --compile)
@@ -95,7 +104,8 @@ def main():
     res["prefill_s"] = t1
     res["decode_step_ms"] = (tn - t1) / args.steps * 1e3
     res["tok_per_s_decode"] = args.batch / (res["decode_step_ms"] / 1e3)
-    print(f"{args.alloc}/{cache_kind}{' compiled' if args.compile else ''} batch {args.batch}: "
+    print(f"{args.alloc}/{cache_kind}/{args.attn}{' compiled' if args.compile else ''} "
+          f"batch {args.batch}: "
           f"prefill {t1:.2f} s, decode {res['decode_step_ms']:.1f} ms/step "
           f"({res['tok_per_s_decode']:.0f} tok/s in decode)", flush=True)
 
@@ -106,6 +116,7 @@ def main():
             out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             nxt = out.logits[:, -1:].argmax(-1)
+            out = None  # the prefill's logits: gigabytes under the cap
             m = torch.cat([mask, torch.ones_like(nxt)], 1)
             pos = ids.shape[1]
 
@@ -147,10 +158,51 @@ def main():
             for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:18]]
         if hasattr(cache, "release"):
             cache.release()
+    if args.profile_generate:
+        profile_generate(args, res, torch, generate, cache_kind)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def profile_generate(args, res, torch, generate, cache_kind):
+    """Profiles a whole generate (prefill included) and times GrowableCache's Python parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spent = {"update": 0.0, "ensure": 0.0}
+    restore = []
+    if cache_kind == "growable":
+        import moonbright.transformers as mt
+
+        def timed(cls, name, key):
+            orig = getattr(cls, name)
+
+            def wrapper(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return orig(*a, **kw)
+                finally:
+                    spent[key] += time.perf_counter() - t
+
+            setattr(cls, name, wrapper)
+            restore.append((cls, name, orig))
+
+        timed(mt.GrowableLayer, "update", "update")
+        timed(mt._TokenStore, "ensure", "ensure")
+    n = args.profile_generate
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds = generate(n)
+    for cls, name, orig in restore:
+        setattr(cls, name, orig)
+    ka = prof.key_averages()
+    print(f"profiled generate of {n} new tokens: {seconds:.2f} s (profiler on); "
+          f"GrowableCache update {spent['update'] * 1e3:.1f} ms, of which ensure "
+          f"{spent['ensure'] * 1e3:.1f} ms", flush=True)
+    print(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    res["generate_profile"] = {"new_tokens": n, "seconds": seconds,
+                               "update_s": spent["update"], "ensure_s": spent["ensure"]}
 
 
 if __name__ == "__main__":

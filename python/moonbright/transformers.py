@@ -45,7 +45,15 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["GrowableCache", "GrowableLayer", "KVStats", "growable_buffer"]
+__all__ = [
+    "GQA_ATTENTION",
+    "GrowableCache",
+    "GrowableLayer",
+    "KVStats",
+    "gqa_attention",
+    "growable_buffer",
+    "use_gqa_attention",
+]
 
 BufferFactory = Callable[[int, torch.device], Any]
 
@@ -490,3 +498,76 @@ def _check_layer_types(decoder: Any) -> None:
             f"GrowableCache holds full-attention layers only; this model has {', '.join(other)} "
             "layers (use transformers' DynamicCache for it)"
         )
+
+
+# ---- attention that reads the cache as it is --------------------------------------------------
+
+GQA_ATTENTION = "moonbright_gqa"
+
+
+def gqa_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for one-token decoding with grouped-query attention.
+
+    With a padding mask, transformers' sdpa path expands every layer's K and V from the KV heads
+    to the query heads before attention (``repeat_kv``: a copy of the whole cache at 8x its size
+    for TinyLlama's 32/4 heads, at every step). Here a decode step takes each KV head's group of
+    query heads as one batched product against that head's K and V, with scores and softmax in
+    float32. Prefill and anything else go to transformers' sdpa. Install with
+    :func:`use_gqa_attention`.
+
+    Copies: none for contiguous K and V. On :class:`GrowableCache`'s views (sequence-major, so
+    the rows of different sequences and heads interleave 128 bytes apart) ``torch.bmm`` makes K
+    and V contiguous first: the cache once, where sdpa's path copies it eight times. Measured on
+    an H200 (batch 96, prompts 256-1024): a ``generate`` decode step of 44.5 ms against 90.4 ms
+    with sdpa.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, q_len, d = query.shape
+    kvh, s = key.shape[1], key.shape[2]
+    dv = value.shape[-1]
+    if q_len != 1 or dropout or kvh == 0 or h % kvh or key.shape[-1] != d:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rep = h // kvh
+    scale = d**-0.5 if scaling is None else scaling
+    # Views, not copies: the query heads of KV head j are j*rep .. j*rep+rep-1 (as repeat_kv
+    # pairs them), and [batch, kv_heads] merge into one batch dimension for K and V alike.
+    q = query.reshape(b * kvh, rep, d)
+    k = key.reshape(b * kvh, s, d)
+    v = value.reshape(b * kvh, s, dv)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        scores = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
+    else:
+        scores = torch.bmm(q, k.transpose(1, 2)).float()
+    scores = scores.mul_(scale).view(b, kvh, rep, s)
+    if attention_mask is not None:
+        mask = attention_mask[..., -s:]  # [batch or 1, 1, 1, s]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores = scores.add_(mask.float())
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b * kvh, rep, s)
+    out = torch.bmm(probs, v)  # [batch * kv_heads, rep, dv]
+    return out.view(b, 1, h, dv), None
+
+
+def use_gqa_attention(model: Any) -> None:
+    """Makes ``model`` use :func:`gqa_attention` (registered with transformers as
+    ``GQA_ATTENTION``, with sdpa's masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
+    AttentionMaskInterface.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(GQA_ATTENTION)
