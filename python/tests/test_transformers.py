@@ -144,6 +144,38 @@ def test_greedy_tokens_match_dynamic_cache_batched_left_padded(attn):
     assert len(factory.buffers) == 2 * model.config.num_hidden_layers
 
 
+def test_gqa_attention_matches_sdpa_on_strided_views_and_falls_back_for_prefill():
+    """gqa_attention against transformers' sdpa on a sequence-major cache's strided views with a
+    padding mask (float32 on the CPU: equal to rounding), and the same tokens from generate."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from moonbright.transformers import gqa_attention, use_gqa_attention
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = 4
+        is_causal = True
+
+    torch.manual_seed(0)
+    b, kvh, s, d = 3, 2, 37, 16
+    rows = torch.randn(s, b, kvh, d), torch.randn(s, b, kvh, d)
+    keys, values = (r.permute(1, 2, 0, 3) for r in rows)  # GrowableCache's views
+    assert not keys.is_contiguous()
+    mask = (torch.arange(s)[None, :] >= torch.tensor([0, 5, 30])[:, None])[:, None, None, :]
+    for q_len in (1, 3):  # 3: prefill-like, handed to sdpa
+        q = torch.randn(b, kvh * 4, q_len, d)
+        m = mask.expand(b, 1, q_len, s)
+        got, _ = gqa_attention(Module(), q, keys, values, m, scaling=d**-0.5)
+        ref, _ = sdpa_attention_forward(Module(), q, keys, values, m, scaling=d**-0.5)
+        assert got.shape == ref.shape == (b, q_len, kvh * 4, d)
+        assert torch.allclose(got, ref, atol=1e-5), (q_len, (got - ref).abs().max())
+    model = tiny_model("sdpa")
+    ids, am = left_padded([5, 12, 9])
+    ref = generate(model, ids, am, DynamicCache())
+    use_gqa_attention(model)
+    got = generate(model, ids, am, GrowableCache(model.config, buffer_factory=Factory()))
+    assert torch.equal(got, ref)
+
+
 def test_beam_search_matches_dynamic_cache_and_counts_its_copies():
     model = tiny_model()
     ids, mask = left_padded([5, 12, 9])
