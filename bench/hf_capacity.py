@@ -61,7 +61,7 @@ def model_config(tiny):
 
     if tiny:
         shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
     else:
         shape = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
