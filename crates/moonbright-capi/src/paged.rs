@@ -73,6 +73,7 @@ fn paged_status(e: &PagedError) -> c_int {
         | TooManySequences { .. }
         | StepTooLarge { .. } => MB_ERR_CAPACITY,
         BadTruncate { .. } | ForkOfUncommitted(_) => MB_ERR_INVALID_REQUEST,
+        StreamCapture { .. } => super::MB_ERR_STREAM_CAPTURE,
         Device(_) | Poisoned(_) => MB_ERR_DRIVER,
         Alloc(e) => status_of(e),
     }

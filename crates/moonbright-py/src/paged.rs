@@ -51,7 +51,7 @@ fn err(e: PagedError) -> PyErr {
         InvalidConfig(_) | BadTruncate { .. } | ForkOfUncommitted(_) => {
             InvalidRequestError::new_err(m)
         }
-        Device(_) | Poisoned(_) | Alloc(_) => PagedPoolError::new_err(m),
+        StreamCapture { .. } | Device(_) | Poisoned(_) | Alloc(_) => PagedPoolError::new_err(m),
     }
 }
 

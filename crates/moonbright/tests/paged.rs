@@ -471,6 +471,33 @@ fn bad_input_is_refused_and_changes_nothing_cuda() {
     bad_input_on(&mut pool);
 }
 
+/// A commit on a stream being captured into a CUDA graph is refused before anything changes;
+/// after the capture the same step commits.
+#[test]
+fn commits_on_a_capturing_stream_are_refused() {
+    let a = host_alloc();
+    let s = {
+        use moonbright::driver::Driver;
+        a.driver().create_stream().unwrap()
+    };
+    let mut pool = PagedPool::new(&a, config(), s).unwrap();
+    let x = pool.add(5).unwrap();
+    pool.commit_step().unwrap();
+    let y = pool.add(3).unwrap();
+    let tables = pool.read_tables().unwrap();
+    let host = a.driver().inner().as_host().unwrap();
+    host.begin_capture(s);
+    let refused = PagedError::StreamCapture { stream: s.0 };
+    assert_eq!(pool.decode_step().unwrap_err().to_string(), refused.to_string());
+    assert_eq!(pool.commit_step().unwrap_err().to_string(), refused.to_string());
+    assert_eq!((pool.len(x).unwrap(), pool.len(y).unwrap()), (5, 3));
+    host.end_capture(s);
+    assert_eq!(pool.read_tables().unwrap(), tables, "nothing reached the tables");
+    assert_eq!(pool.decode_step().unwrap().step_tokens(), 3 + 2);
+    assert_eq!((pool.len(x).unwrap(), pool.len(y).unwrap()), (6, 4));
+    pool.check_invariants().unwrap();
+}
+
 #[test]
 fn bad_configs_are_refused() {
     let a = host_alloc();

@@ -1,5 +1,5 @@
-//! The CUDA side of the paged pool: the table kernels (`kernels.cu`) compiled with NVRTC at run
-//! time, loaded once per device context, and their stream-ordered launches. A step's delta goes
+//! The CUDA side of the paged pool: the table kernel (`kernels.cu`) compiled with NVRTC at run
+//! time, loaded once per device context, and its stream-ordered launch, one a step. A step's delta goes
 //! through a ring of pinned, device-mapped staging buffers that the kernels read directly. Steps
 //! fill one buffer one after another; when the next delta does not fit, an event is recorded
 //! behind the buffer's last kernels and the step moves on to a buffer whose event has completed
@@ -170,6 +170,8 @@ const MAX_RING: usize = 64;
 /// The smallest staging buffer: a step of 4096 decode rows uses about 10 KB of it.
 const MIN_STAGING: usize = 256 << 10;
 const THREADS: u32 = 256;
+/// Blocks per copy-on-write page copy (as in kernels.cu).
+const COPY_BLOCKS: u32 = 4;
 
 /// `mb_paged_step`'s one argument; the twin of `StepArgs` in kernels.cu.
 #[repr(C)]
@@ -196,7 +198,6 @@ struct StepArgs {
     pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<StepArgs>() == 120);
-const COPY_BLOCKS: u32 = 4;
 
 fn align16(n: usize) -> usize {
     n.div_ceil(16) * 16
@@ -319,7 +320,7 @@ impl DeviceTables {
         Ok((i, 0))
     }
 
-    /// Ships `d` and launches the kernels on the pool's stream.
+    /// Ships `d` and launches the step's kernel on the pool's stream.
     pub(crate) fn launch(
         &mut self,
         d: &Delta,

@@ -105,6 +105,17 @@ pub enum PagedError {
         /// The length asked for.
         new_len: u32,
     },
+    /// A commit on a stream being captured into a CUDA graph. The table kernel reads the step's
+    /// delta from staging memory that later steps reuse, so a replay would apply stale data.
+    #[error(
+        "the pool's stream {stream:#x} is being captured into a CUDA graph: a commit is refused \
+         there (a replay would apply a stale delta); commit outside the capture, where the graph \
+         may read the tables"
+    )]
+    StreamCapture {
+        /// The stream.
+        stream: u64,
+    },
     /// A kernel could not be compiled, loaded or launched (the message says which).
     #[error("device tables: {0}")]
     Device(String),
@@ -691,6 +702,7 @@ impl<'a> PagedPool<'a> {
     /// nothing changes (and nothing is committed).
     pub fn decode_step(&mut self) -> PagedResult<&Delta> {
         self.check_usable()?;
+        self.refuse_capture()?;
         self.decode_tokens()?;
         self.commit(true)
     }
@@ -783,6 +795,7 @@ impl<'a> PagedPool<'a> {
     /// applies it on host memory with the host backend). Never waits for the device.
     pub fn commit_step(&mut self) -> PagedResult<&Delta> {
         self.check_usable()?;
+        self.refuse_capture()?;
         self.commit(false)
     }
 
@@ -928,6 +941,15 @@ impl<'a> PagedPool<'a> {
             Some(why) => Err(PagedError::Poisoned(why.clone())),
             None => Ok(()),
         }
+    }
+
+    /// Refuses a commit on a capturing stream, before anything changes.
+    fn refuse_capture(&self) -> PagedResult<()> {
+        use crate::driver::Driver;
+        if self.alloc.driver().is_capturing(self.stream).map_err(crate::Error::from)? {
+            return Err(PagedError::StreamCapture { stream: self.stream.0 });
+        }
+        Ok(())
     }
 
     fn peek_free_row(&self) -> Option<u32> {
