@@ -224,6 +224,19 @@ fn check_step(pool: &PagedPool<'_>, m: &mut Model) {
             None => assert!(line.iter().all(|&v| v == -1), "free row {row}: {line:?}"),
         }
     }
+    // Every page's holders, counted from the live sequences' page lists.
+    let mut holders: HashMap<u32, u32> = HashMap::new();
+    for row in 0..c.max_seqs {
+        if let Some(s) = pool.seq_at(row) {
+            for &p in pool.pages(s).unwrap() {
+                *holders.entry(p).or_insert(0) += 1;
+            }
+        }
+    }
+    for p in 0..c.max_pages {
+        let want = holders.get(&p).copied().unwrap_or(0);
+        assert_eq!(pool.page_refs(p), want, "holders of page {p}");
+    }
     let n = pool.batch().len();
     let batch: Vec<u32> = got.batch_rows[..n].iter().map(|&r| r as u32).collect();
     assert_eq!(batch, pool.batch());

@@ -286,7 +286,11 @@ pub struct PagedPool<'a> {
     free_rows: FreeIds,
     live_rows: u32,
     // Per page.
-    refs: Vec<u32>,
+    /// Pages held by more than one sequence, with their holders beyond the first. Any other
+    /// page has one holder while a row lists it and none when free or pending, so freeing a
+    /// sequence looks nothing up unless some page is shared (no per-page count to touch: a
+    /// sequence's pages lie far apart, and each count would be a cache miss).
+    extra_refs: HashMap<u32, u32>,
     free_pages: FreeIds,
     /// The rows of the batch, in slot-mapping order for decode tokens.
     batch: Vec<u32>,
@@ -409,7 +413,7 @@ impl<'a> PagedPool<'a> {
             tail_shared: vec![false; seqs],
             free_rows,
             live_rows: 0,
-            refs: vec![0; cfg.max_pages as usize],
+            extra_refs: HashMap::new(),
             free_pages: FreeIds::new(),
             batch: Vec::with_capacity(seqs),
             step: 1,
@@ -500,7 +504,13 @@ impl<'a> PagedPool<'a> {
 
     /// How many sequences hold page `page`.
     pub fn page_refs(&self, page: u32) -> u32 {
-        self.refs.get(page as usize).copied().unwrap_or(0)
+        if let Some(&extra) = self.extra_refs.get(&page) {
+            return 1 + extra;
+        }
+        let unused = page >= self.free_pages.limit()
+            || self.free_pages.contains(page)
+            || self.pending_pages.contains(&page);
+        u32::from(!unused)
     }
 
     /// The live sequence in `row`, if any.
@@ -626,7 +636,7 @@ impl<'a> PagedPool<'a> {
         self.place(row, len);
         self.pages.copy_row(prow, r);
         for &p in self.pages.get(r) {
-            self.refs[p as usize] += 1;
+            *self.extra_refs.entry(p).or_insert(0) += 1;
         }
         let np = self.pages.len(r) as u32;
         let partial = len % self.cfg.tokens_per_page != 0;
@@ -663,7 +673,7 @@ impl<'a> PagedPool<'a> {
         }
         self.set_len(row, new_len);
         let shared = new_len % self.cfg.tokens_per_page != 0
-            && self.pages.last(r).is_some_and(|p| self.refs[p as usize] > 1);
+            && self.pages.last(r).is_some_and(|p| self.extra_refs.contains_key(&p));
         self.set_tail_shared(r, shared);
         self.mark_len(row);
         Ok(())
@@ -872,7 +882,7 @@ impl<'a> PagedPool<'a> {
 
     /// Checks the host metadata's invariants: reference counts, free sets, batch positions.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut refs = vec![0u32; self.refs.len()];
+        let mut refs = vec![0u32; self.cfg.max_pages as usize];
         let t = self.cfg.tokens_per_page;
         for r in 0..self.live.len() {
             if !self.live[r] {
@@ -903,13 +913,18 @@ impl<'a> PagedPool<'a> {
             }
         }
         for &p in &self.pending_pages {
-            if refs[p as usize] != 0 || self.refs[p as usize] != 0 {
+            if refs[p as usize] != 0 || self.extra_refs.contains_key(&p) {
                 return Err(format!("pending page {p} still referenced"));
             }
         }
-        for (p, (&a, &b)) in refs.iter().zip(&self.refs).enumerate() {
-            if a != b {
-                return Err(format!("page {p}: {b} references counted, {a} held"));
+        for (&p, &extra) in &self.extra_refs {
+            if extra == 0 || refs.get(p as usize) != Some(&(extra + 1)) {
+                return Err(format!("page {p}: {} holders beyond the first counted", extra));
+            }
+        }
+        for (p, &a) in refs.iter().enumerate() {
+            if a > 1 && !self.extra_refs.contains_key(&(p as u32)) {
+                return Err(format!("page {p}: {a} holders, not counted as shared"));
             }
             let p32 = p as u32;
             let free = self.free_pages.contains(p32);
@@ -1055,32 +1070,32 @@ impl<'a> PagedPool<'a> {
 
     /// Takes the `n` lowest free pages (ensure_free_pages ran first) into `out`.
     fn take_pages(&mut self, n: u32, out: &mut Vec<u32>) {
-        let from = out.len();
         self.free_pages.pop_lowest_n(n, out);
-        for &p in &out[from..] {
-            self.refs[p as usize] = 1;
-        }
     }
 
     fn take_page(&mut self) -> u32 {
-        let p = self.free_pages.pop_lowest().expect("ensure_free_pages ran first");
-        self.refs[p as usize] = 1;
-        p
+        self.free_pages.pop_lowest().expect("ensure_free_pages ran first")
     }
 
+    /// One holder of page `p` lets it go; the last one makes it pending (free at the commit).
     fn drop_ref(&mut self, p: u32) {
-        let r = &mut self.refs[p as usize];
-        *r -= 1;
-        if *r == 0 {
-            self.pending_pages.push(p);
+        if !self.extra_refs.is_empty() {
+            if let Some(extra) = self.extra_refs.get_mut(&p) {
+                *extra -= 1;
+                if *extra == 0 {
+                    self.extra_refs.remove(&p);
+                }
+                return;
+            }
         }
+        self.pending_pages.push(p);
     }
 
     /// Whether writing into the row's last page needs a copy first: the page is partly filled
     /// and held by another sequence too.
     fn tail_needs_copy(&self, r: usize) -> bool {
         self.len_of(r) % self.cfg.tokens_per_page != 0
-            && self.pages.last(r).is_some_and(|p| self.refs[p as usize] > 1)
+            && self.pages.last(r).is_some_and(|p| self.extra_refs.contains_key(&p))
     }
 
     /// Gives the row a private copy of its shared last page.
@@ -1095,7 +1110,7 @@ impl<'a> PagedPool<'a> {
         let src = self.copied_from.get(&old).copied().unwrap_or(old);
         self.copies.push(PageCopy { src, dst: new });
         self.copied_from.insert(new, src);
-        self.refs[old as usize] -= 1;
+        self.drop_ref(old); // shared, so another row still holds it
         self.pages.set(r, c, new);
         self.mark_blocks(row, c as u32, c as u32 + 1);
     }
