@@ -13,7 +13,7 @@
 // counter), not from blockIdx: a block that waits got its ticket after every block it waits for
 // got theirs, so those are running and the wait ends whatever order the hardware starts blocks
 // in. The last block to finish zeroes the counters for the next launch (stream order makes that
-// visible to it), so a launch captured in a CUDA graph replays correctly too.
+// visible to it), so no host call resets them.
 
 #define OP_BLOCK 0u
 #define OP_LEN 1u
