@@ -535,7 +535,8 @@ def gqa_attention(
     b, h, q_len, d = query.shape
     kvh, s = key.shape[1], key.shape[2]
     dv = value.shape[-1]
-    if q_len != 1 or dropout or kvh == 0 or h % kvh or key.shape[-1] != d:
+    # Without grouping (kv heads == query heads) sdpa expands nothing: it keeps those too.
+    if q_len != 1 or dropout or kvh == 0 or h == kvh or h % kvh or key.shape[-1] != d:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -552,7 +553,7 @@ def gqa_attention(
         scores = torch.bmm(q, k.transpose(1, 2)).float()
     scores = scores.mul_(scale).view(b, kvh, rep, s)
     if attention_mask is not None:
-        mask = attention_mask[..., -s:]  # [batch or 1, 1, 1, s]
+        mask = attention_mask[..., :s]  # [batch or 1, 1, 1, s], cut as sdpa's path cuts it
         if mask.dtype == torch.bool:
             scores = scores.masked_fill_(~mask, float("-inf"))
         else:
