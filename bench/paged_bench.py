@@ -261,6 +261,9 @@ def main():
     ap.add_argument("--sizes", default="256,1024,4096,16384")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="extra rounds of (a) and (b) at 4k sequences for the target's host ratio, "
+                    "judged on the median round (the host CPU's speed drifts within a run)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="bench/results/paged")
     ap.add_argument("--plot-from", help="only draw the plot of a saved paged_bench.json")
@@ -305,12 +308,21 @@ def main():
         results["sizes"][str(n)] = row
     if "4096" in results["sizes"]:
         q = results["sizes"]["4096"]["ratios"]
-        ok_host = q["host_numpy_over_moonbright"] >= 10
+        host = [q["host_numpy_over_moonbright"]]
+        for k in range(0 if args.quick else args.rounds):
+            _, a = measure(MoonBright, 4096, steps, warmup, torch, dev)
+            _, b = measure(NumpyPinned, 4096, steps, warmup, torch, dev)
+            host.append(b["host_us_median"] / a["host_us_median"])
+            print(f"N=  4096 round {k + 2}: host (a) {a['host_us_median']:.1f} us, (b) "
+                  f"{b['host_us_median']:.1f} us: {host[-1]:.1f}x", flush=True)
+        results["host_ratio_4096_rounds"] = host
+        ratio = statistics.median(host)
+        ok_host = ratio >= 10
         ok_dev = q["device_numpy_over_moonbright"] >= 1
         print(f"target at 4k sequences: host >= 10x lower than (b): "
-              f"{'met' if ok_host else 'MISSED'} ({q['host_numpy_over_moonbright']:.1f}x); "
-              f"device no higher: {'met' if ok_dev else 'MISSED'} "
-              f"({q['device_numpy_over_moonbright']:.2f}x)")
+              f"{'met' if ok_host else 'MISSED'} ({ratio:.1f}x, the median of {len(host)} rounds, "
+              f"{min(host):.1f}x to {max(host):.1f}x); device no higher: "
+              f"{'met' if ok_dev else 'MISSED'} ({q['device_numpy_over_moonbright']:.2f}x)")
     path = os.path.join(args.out, "paged_bench.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
