@@ -511,6 +511,44 @@ fn commits_on_a_capturing_stream_are_refused() {
     pool.check_invariants().unwrap();
 }
 
+/// A pool that cannot be made (an injected driver failure at any call of pool creation, or
+/// too little memory) gives back everything it took: tables, counters and page reservation.
+#[test]
+fn failed_creation_leaves_nothing_behind() {
+    use moonbright::CallKind;
+    let a = host_alloc();
+    let kept = a.malloc(4096).unwrap(); // something allocated before stays as it was
+    let base = (a.stats().allocated_bytes.current, a.stats().reserved_bytes.current);
+    let mut failures = 0;
+    for kind in
+        [CallKind::Reserve, CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Copy]
+    {
+        for nth in 1..=6 {
+            a.driver().fail_nth(kind, nth, None);
+            match PagedPool::new(&a, config(), StreamHandle::DEFAULT) {
+                Ok(pool) => drop(pool),
+                Err(e) => {
+                    failures += 1;
+                    assert!(e.to_string().contains("injected failure"), "{kind:?} #{nth}: {e}");
+                }
+            }
+            a.driver().clear_failures();
+            a.flush().unwrap();
+            a.check_invariants().unwrap();
+            assert_eq!(a.stats().allocated_bytes.current, base.0, "{kind:?} #{nth}");
+        }
+    }
+    assert!(failures >= 5, "only {failures} creations failed: the injections missed");
+    // Out of memory: a block table larger than the cap.
+    let big = PagedConfig { max_seqs: 4096, max_pages_per_seq: 4096, ..config() };
+    let e = PagedPool::new(&a, big, StreamHandle::DEFAULT).unwrap_err();
+    assert!(matches!(e, PagedError::Alloc(moonbright::Error::OutOfMemory { .. })), "{e}");
+    assert_eq!(a.stats().allocated_bytes.current, base.0);
+    // And the allocator goes on.
+    PagedPool::new(&a, config(), StreamHandle::DEFAULT).unwrap();
+    a.free(kept).unwrap();
+}
+
 #[test]
 fn bad_configs_are_refused() {
     let a = host_alloc();
