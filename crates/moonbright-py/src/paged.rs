@@ -55,6 +55,16 @@ fn err(e: PagedError) -> PyErr {
     }
 }
 
+/// Adds one sequence per prompt length; stops at the first refusal (those before it stay).
+fn add_all(pool: &mut Pool<'static>, prompt_lens: Vec<u32>) -> PyResult<Vec<u64>> {
+    prompt_lens.into_iter().map(|n| pool.add(n).map(|s| s.0).map_err(err)).collect()
+}
+
+/// Frees every sequence; stops at the first refusal (those before it stay freed).
+fn free_all(pool: &mut Pool<'static>, seqs: Vec<u64>) -> PyResult<()> {
+    seqs.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))
+}
+
 /// A paged KV pool on the allocator of `device`, updated on `stream` (a `CUstream` as an int,
 /// 0 for the default stream). One thread at a time uses it.
 #[pyclass(module = "moonbright._moonbright")]
@@ -105,8 +115,7 @@ impl PagedPool {
 
     /// Adds one sequence per prompt length; stops at the first refusal (those before it stay).
     fn add_many(&mut self, prompt_lens: Vec<u32>) -> PyResult<Vec<u64>> {
-        let mut pool = self.pool();
-        prompt_lens.into_iter().map(|n| pool.add(n).map(|s| s.0).map_err(err)).collect()
+        add_all(&mut self.pool(), prompt_lens)
     }
 
     /// Adds `n` tokens to `seq` (they get slots this step).
@@ -131,8 +140,7 @@ impl PagedPool {
 
     /// Frees every sequence of `seqs`; stops at the first refusal (those before it stay freed).
     fn free_many(&mut self, seqs: Vec<u64>) -> PyResult<()> {
-        let mut pool = self.pool();
-        seqs.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))
+        free_all(&mut self.pool(), seqs)
     }
 
     /// One decode step in one call: frees `free`, adds a sequence per prompt length of `add`,
@@ -142,11 +150,8 @@ impl PagedPool {
     #[pyo3(signature = (free=Vec::new(), add=Vec::new()))]
     fn step(&mut self, free: Vec<u64>, add: Vec<u32>) -> PyResult<Vec<u64>> {
         let mut pool = self.pool();
-        free.into_iter().try_for_each(|s| pool.free(SeqId(s)).map_err(err))?;
-        let ids = add
-            .into_iter()
-            .map(|n| pool.add(n).map(|s| s.0).map_err(err))
-            .collect::<PyResult<Vec<u64>>>()?;
+        free_all(&mut pool, free)?;
+        let ids = add_all(&mut pool, add)?;
         pool.decode_step().map_err(err)?;
         Ok(ids)
     }
