@@ -31,22 +31,18 @@ pub(crate) struct Pool {
     held_pages: u64,
 }
 
-/// How a need of `pages` is cut into chunks no larger than `max_pages`: powers of two, largest
-/// first, so a large allocation costs few handles (set access and unmap cost per handle).
+/// How a need of `pages` is cut into chunks no larger than `max_pages`: as many of the largest
+/// as fit, then one chunk of what is left, so an allocation costs as few handles as the limit
+/// allows (set access and unmap cost per handle). Sizes need not be powers of two: a chunk of
+/// any size serves any range at least as large. (Power-of-two pieces, the earlier rule, cost
+/// up to log2(max) more handles a range: in the fragmentation stress, 2.6 times as many
+/// requests mapped 16 or more handles.)
 pub(crate) fn chunk_plan(pages: u64, max_pages: u64) -> Vec<u64> {
-    let mut plan = Vec::new();
-    let mut left = pages;
-    while left > 0 {
-        let p = prev_power_of_two(left).min(max_pages);
-        plan.push(p);
-        left -= p;
+    let mut plan = vec![max_pages; (pages / max_pages) as usize];
+    if pages % max_pages > 0 {
+        plan.push(pages % max_pages);
     }
     plan
-}
-
-fn prev_power_of_two(n: u64) -> u64 {
-    debug_assert!(n > 0);
-    1 << (63 - n.leading_zeros())
 }
 
 impl Pool {
@@ -196,9 +192,10 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
-    fn plan_uses_few_power_of_two_chunks() {
+    fn plan_uses_the_fewest_chunks_the_limit_allows() {
         assert_eq!(chunk_plan(100, 32), vec![32, 32, 32, 4]);
-        assert_eq!(chunk_plan(7, 32), vec![4, 2, 1]);
+        assert_eq!(chunk_plan(7, 32), vec![7]);
+        assert_eq!(chunk_plan(45, 32), vec![32, 13]);
         assert_eq!(chunk_plan(5, 1), vec![1; 5]);
     }
 
@@ -236,8 +233,9 @@ mod tests {
             let max = 1u64 << max_log;
             let plan = chunk_plan(pages, max);
             prop_assert_eq!(plan.iter().sum::<u64>(), pages);
-            prop_assert!(plan.iter().all(|&p| p.is_power_of_two() && p <= max));
+            prop_assert!(plan.iter().all(|&p| p > 0 && p <= max));
             prop_assert!(plan.windows(2).all(|w| w[0] >= w[1]));
+            prop_assert_eq!(plan.len() as u64, pages.div_ceil(max));
         }
 
         #[test]
