@@ -386,6 +386,9 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
     }
     for (name, v) in [
         ("cache_hits", s.cache_hits),
+        ("window_hits", s.window_hits),
+        ("request_maps", s.request_maps),
+        ("request_mapped_handles", s.request_mapped_handles),
         ("subpage_allocations", s.subpage_allocations),
         ("cached_ranges_stolen", s.cached_ranges_stolen),
         ("chunk_splits", s.chunk_splits),

@@ -39,6 +39,10 @@ struct Args {
     /// Skip the no-remap baseline.
     #[arg(long)]
     no_baseline: bool,
+    /// Run MoonBright on the host backend (no GPU needed): its times mean nothing, but which
+    /// requests map synchronously, and how many handles each maps, are the policy's own.
+    #[arg(long)]
+    host: bool,
 }
 
 trait Replay {
@@ -46,24 +50,48 @@ trait Replay {
     fn free(&mut self, ptr: u64) -> Res<()>;
     /// (peak reserved, peak allocated) as the allocator counts them.
     fn peaks(&self) -> (u64, u64);
+    /// Chunk handles requests have mapped synchronously so far, if the allocator counts them.
+    fn request_handles(&self) -> Option<u64> {
+        None
+    }
 }
 
 struct Mb {
     a: Allocator,
-    s: Stream,
+    s: moonbright::StreamHandle,
 }
 
 impl Replay for Mb {
     fn alloc(&mut self, size: u64) -> Res<u64> {
-        self.a.malloc_async(size as usize, self.s.handle()).map_err(|e| e.to_string())
+        self.a.malloc_async(size as usize, self.s).map_err(|e| e.to_string())
     }
     fn free(&mut self, ptr: u64) -> Res<()> {
-        self.a.free_async(ptr, self.s.handle()).map_err(|e| e.to_string())
+        self.a.free_async(ptr, self.s).map_err(|e| e.to_string())
     }
     fn peaks(&self) -> (u64, u64) {
         let s = self.a.stats();
         (s.reserved_bytes.peak, s.allocated_bytes.peak)
     }
+    fn request_handles(&self) -> Option<u64> {
+        Some(self.a.stats().request_mapped_handles)
+    }
+}
+
+/// Allocations grouped by how many chunk handles the request mapped itself: 0 (a cache, window
+/// or sub-page hit), 1, 2-3, 4-7, 8-15, 16-31, 32 or more.
+const CLASS_NAMES: [&str; 7] = ["0", "1", "2-3", "4-7", "8-15", "16-31", "32+"];
+
+fn class_of(handles: u64) -> usize {
+    match handles {
+        0 => 0,
+        h => (h.ilog2() as usize + 1).min(CLASS_NAMES.len() - 1),
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct MapClass {
+    handles: &'static str,
+    alloc_us: Summary,
 }
 
 struct Base(NoRemapAllocator);
@@ -94,6 +122,8 @@ struct Outcome {
     alloc_us: Summary,
     alloc_ge_64mib_us: Summary,
     free_us: Summary,
+    /// By handles mapped in the request (MoonBright only).
+    by_handles: Vec<MapClass>,
     ooms: usize,
     first_oom: Option<String>,
 }
@@ -101,6 +131,8 @@ struct Outcome {
 fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Res<Outcome> {
     let mut live: HashMap<u32, u64> = HashMap::new();
     let (mut a, mut big, mut f) = (vec![], vec![], vec![]);
+    let mut classes: Vec<Vec<f64>> = vec![vec![]; CLASS_NAMES.len()];
+    let mut handles = r.request_handles();
     let (mut ooms, mut first_oom) = (0, None);
     let start = Instant::now();
     for op in ops {
@@ -113,6 +145,10 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
                         a.push(us);
                         if size >= 64 * MIB {
                             big.push(us);
+                        }
+                        if let (Some(before), Some(now)) = (handles, r.request_handles()) {
+                            classes[class_of(now - before)].push(us);
+                            handles = Some(now);
                         }
                         live.insert(id, p);
                     }
@@ -149,6 +185,12 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
         alloc_us: Summary::of(&a),
         alloc_ge_64mib_us: Summary::of(&big),
         free_us: Summary::of(&f),
+        by_handles: CLASS_NAMES
+            .iter()
+            .zip(&classes)
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(&handles, v)| MapClass { handles, alloc_us: Summary::of(v) })
+            .collect(),
         ooms,
         first_oom,
     })
@@ -185,28 +227,33 @@ fn run() -> Res<()> {
             return Ok(());
         }
     }
-    let gpu = Gpu::open()?;
+    // On the host backend the stream is a host one, made by the allocator's own driver.
+    let gpu = if args.host { None } else { Some(Gpu::open()?) };
+    let gpu_name = gpu.as_ref().map_or("host backend".to_string(), |g| g.name.clone());
+    let stream = if gpu.is_some() { Some(Stream::new(true)?) } else { None };
     let mut outcomes = vec![];
+    for (name, window) in
+        [("MoonBright", moonbright_bench::default_window()), ("MoonBright (no window)", (0, 0))]
     {
-        let a = Allocator::new(mb_options(
-            None,
-            moonbright_bench::max_chunk(),
-            moonbright_bench::default_window(),
-            true,
-        ))
-        .map_err(|e| format!("MoonBright: {e}"))?;
-        let mut mb = Mb { a, s: Stream::new(true)? };
-        outcomes.push(replay("MoonBright", &mut mb, &ops, peak_requested)?);
-        mb.s.sync()?;
+        let mut opts = mb_options(None, moonbright_bench::max_chunk(), window, true);
+        if args.host {
+            opts.backend = moonbright::BackendKind::Host;
+            opts.host_capacity = 140 * GIB;
+        }
+        let a = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+        let s = match &stream {
+            Some(s) => s.handle(),
+            None => {
+                moonbright::driver::Driver::create_stream(a.driver()).map_err(|e| e.to_string())?
+            }
+        };
+        let mut mb = Mb { a, s };
+        outcomes.push(replay(name, &mut mb, &ops, peak_requested)?);
+        if let Some(s) = &stream {
+            s.sync()?;
+        }
     }
-    {
-        let a = Allocator::new(mb_options(None, moonbright_bench::max_chunk(), (0, 0), true))
-            .map_err(|e| format!("MoonBright: {e}"))?;
-        let mut mb = Mb { a, s: Stream::new(true)? };
-        outcomes.push(replay("MoonBright (no window)", &mut mb, &ops, peak_requested)?);
-        mb.s.sync()?;
-    }
-    if !args.no_baseline {
+    if !args.no_baseline && !args.host {
         let opts = mb_options(None, moonbright_bench::max_chunk(), (0, 0), false);
         let b = NoRemapAllocator::new(&opts, 20 * MIB).map_err(|e| format!("baseline: {e}"))?;
         outcomes.push(replay(
@@ -218,7 +265,7 @@ fn run() -> Res<()> {
     }
     println!(
         "stress on {}: {} ops, seed {}, sizes 1 KiB..512 MiB log-uniform, peak requested {:.2} GiB",
-        gpu.name,
+        gpu_name,
         ops.len(),
         spec.seed,
         peak_requested as f64 / GIB as f64
@@ -253,12 +300,18 @@ fn run() -> Res<()> {
         if let Some(e) = &o.first_oom {
             println!("    first failure: {e}");
         }
+        for c in &o.by_handles {
+            println!(
+                "    {:>5} handles mapped in the request: {:>6} allocs, p50 {:>8.1}, p99 {:>8.1}, max {:>8.1}",
+                c.handles, c.alloc_us.n, c.alloc_us.p50, c.alloc_us.p99, c.alloc_us.max
+            );
+        }
     }
     println!("(res/req: peak reserved over the sequence's peak requested bytes; res/alc: over the");
     println!(" allocator's own peak allocated; times in us; target: MoonBright res/alc <= 1.05,");
     println!(" alloc p99 <= PyTorch default's)");
     if let Some(path) = &args.json {
-        let report = Report { gpu: gpu.name.clone(), spec, outcomes };
+        let report = Report { gpu: gpu_name, spec, outcomes };
         moonbright_bench::write_json(path, &report)?;
         println!("wrote {}", path.display());
     }

@@ -334,6 +334,14 @@ impl Heap {
         Ok(None)
     }
 
+    /// Counts a request's own synchronous map (attempted, whether or not it succeeded).
+    pub fn note_request_map(&mut self, plan: &MapPlan) {
+        self.stats.request_maps += 1;
+        self.stats.request_mapped_handles += (plan.existing.len() + plan.create.len()) as u64;
+        self.stats.request_created_chunks += (plan.create.len() + plan.spare.len()) as u64;
+        self.stats.request_released_chunks += plan.release.len() as u64;
+    }
+
     /// Completes a request with a range mapped for it: a new arena's first block, or the
     /// allocation itself.
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {

@@ -132,12 +132,18 @@ fn release_created(driver: &dyn Driver, created: &mut Vec<(ChunkHandle, u64)>, k
     *created = kept;
 }
 
-/// A run of retired ranges to unmap in one call, taken out of the queue under the lock.
+/// Unmaps runs of retired ranges taken out of the queue under the lock, one call each, calling
+/// `between` before every call but the first. Returns how many were unmapped, and the error that
+/// stopped it.
 pub(crate) fn unmap_runs(
     driver: &dyn Driver,
     runs: &[super::vaspace::UnmapRun],
+    between: impl Fn(),
 ) -> (usize, Option<DriverError>) {
     for (i, run) in runs.iter().enumerate() {
+        if i > 0 {
+            between();
+        }
         if let Err(e) = driver.unmap(run.va, run.len as usize) {
             return (i, Some(e));
         }

@@ -72,6 +72,15 @@ pub struct Stats {
     pub window_hits: u64,
     /// Allocations served from a sub-page arena.
     pub subpage_allocations: u64,
+    /// Requests that mapped a range of their own, synchronously (every other request of a page
+    /// or more was a cache or window hit).
+    pub request_maps: u64,
+    /// Chunk handles those requests mapped: each costs one set-access share (about 25 us on an
+    /// H200), the dominant cost of a synchronous map.
+    pub request_mapped_handles: u64,
+    /// Chunks those requests created or released (splits included).
+    pub request_created_chunks: u64,
+    pub request_released_chunks: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,
     /// Chunks released and recreated smaller under pressure.

@@ -20,6 +20,11 @@ pub(crate) struct Retired {
     pub after: Option<(u64, u64)>,
 }
 
+/// The most chunk mappings one unmap call covers when it merges ranges. Unmap costs about 20 us
+/// a handle on an H200 and the driver serialises VMM calls, so a request that must map waits
+/// for the call in progress: this bounds that wait to well under a millisecond.
+pub(crate) const MAX_RUN_HANDLES: usize = 32;
+
 /// One run of retired ranges that are adjacent in address space: one unmap call covers it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct UnmapRun {
@@ -184,7 +189,8 @@ impl VaSpace {
     }
 
     /// Takes every retired range that `ready` allows, merged into runs of adjacent ranges (one
-    /// unmap each); the others stay retired.
+    /// unmap each) of at most `MAX_RUN_HANDLES` chunk mappings, unless one range alone holds
+    /// more; the others stay retired.
     pub fn take_retired_runs(&mut self, ready: impl Fn(&Retired) -> bool) -> Vec<UnmapRun> {
         let (mut all, waiting): (Vec<Retired>, Vec<Retired>) =
             self.retired.drain(..).partition(|r| ready(r));
@@ -198,8 +204,13 @@ impl VaSpace {
         for r in all {
             let same_reservation =
                 |run: &UnmapRun| self.reservation_of(run.va) == self.reservation_of(r.va);
+            let handles = |run: &UnmapRun| run.parts.iter().map(|p| p.chunks.len()).sum::<usize>();
             match runs.last_mut() {
-                Some(run) if run.va + run.len == r.va && same_reservation(run) => {
+                Some(run)
+                    if run.va + run.len == r.va
+                        && same_reservation(run)
+                        && handles(run) + r.chunks.len() <= MAX_RUN_HANDLES =>
+                {
                     run.len += r.len;
                     run.parts.push(r);
                 }
@@ -295,6 +306,24 @@ mod tests {
         assert_eq!(v.retired_count(), 0);
         v.put_back_runs(runs);
         assert_eq!(v.retired_bytes(), 40);
+    }
+
+    #[test]
+    fn merged_runs_hold_a_bounded_number_of_handles() {
+        let mut v = VaSpace::default();
+        // 40 adjacent ranges of 3 chunks each, then one range of 50 chunks on its own.
+        for i in 0..40u64 {
+            v.retire(Retired { va: i * 10, len: 10, chunks: vec![0, 1, 2], after: None });
+        }
+        v.retire(Retired { va: 400, len: 10, chunks: (0..50).collect(), after: None });
+        let runs = v.take_retired_runs(|_| true);
+        let handles: Vec<usize> =
+            runs.iter().map(|r| r.parts.iter().map(|p| p.chunks.len()).sum()).collect();
+        assert_eq!(handles, vec![30, 30, 30, 30, 50]);
+        assert_eq!(runs.iter().map(|r| r.len).sum::<u64>(), 410);
+        for w in runs.windows(2) {
+            assert_eq!(w[0].va + w[0].len, w[1].va, "runs still cover the ranges in order");
+        }
     }
 
     proptest! {

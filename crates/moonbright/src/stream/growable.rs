@@ -4,7 +4,6 @@
 
 use super::{Shared, MAX_WAIT, WAIT_STEP};
 use crate::core::heap::Resize;
-use crate::core::mapping::execute;
 use crate::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 
@@ -50,7 +49,7 @@ impl Shared {
                     return Ok(());
                 }
                 Resize::Map(plan) => {
-                    let ex = execute(&self.driver, &plan);
+                    let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
                     let r = heap.commit_grow(ptr, len, plan, ex);
                     self.validated(&heap);

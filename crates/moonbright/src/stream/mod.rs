@@ -6,13 +6,13 @@
 mod growable;
 pub(crate) mod worker;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::allocator::Backend;
 use crate::config::Options;
 use crate::core::heap::{Fast, Heap, RangeId, Step};
-use crate::core::mapping::{execute, unmap_runs};
+use crate::core::mapping::{execute, unmap_runs, Executed, MapPlan};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
 
@@ -20,6 +20,9 @@ use crate::error::{Error, Result};
 const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long it sleeps between looks while it waits.
 const WAIT_STEP: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// The longest an unmap batch pauses between its calls for requests that are mapping.
+const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The error of a request that waited `MAX_WAIT` for other threads' unmaps or plans.
 fn gave_up() -> Error {
@@ -39,6 +42,9 @@ pub(crate) struct Shared {
     wake: Condvar,
     pub stop: AtomicBool,
     pub options: Options,
+    /// Requests running a map plan now. The driver serialises VMM calls, so an unmap batch lets
+    /// them go first between its calls (`give_way`) rather than make them wait for all of it.
+    requests_mapping: AtomicUsize,
 }
 
 impl Shared {
@@ -49,6 +55,23 @@ impl Shared {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             options,
+            requests_mapping: AtomicUsize::new(0),
+        }
+    }
+
+    /// Runs a request's own map plan (not the window's), counted in `requests_mapping`.
+    pub(crate) fn execute_for_request(&self, plan: &MapPlan) -> Executed {
+        self.requests_mapping.fetch_add(1, Ordering::AcqRel);
+        let ex = execute(&self.driver, plan);
+        self.requests_mapping.fetch_sub(1, Ordering::AcqRel);
+        ex
+    }
+
+    /// Waits, at most `GIVE_WAY_MAX`, while requests are mapping.
+    fn give_way(&self) {
+        let start = std::time::Instant::now();
+        while self.requests_mapping.load(Ordering::Acquire) > 0 && start.elapsed() < GIVE_WAY_MAX {
+            std::thread::yield_now();
         }
     }
 
@@ -176,8 +199,9 @@ impl Shared {
             let step = self.heap().plan_range(pages, requested, stream);
             match step {
                 Step::Map(plan) => {
-                    let ex = execute(&self.driver, &plan);
+                    let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
+                    heap.note_request_map(&plan);
                     let r = heap.commit(plan, ex);
                     self.validated(&heap);
                     return r;
@@ -280,7 +304,7 @@ impl Shared {
         if runs.is_empty() {
             return Ok(false);
         }
-        let (done, error) = unmap_runs(&self.driver, &runs);
+        let (done, error) = unmap_runs(&self.driver, &runs, || self.give_way());
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
@@ -330,7 +354,7 @@ impl Shared {
     pub fn teardown(&self) {
         let t = self.heap().teardown();
         let mut first_error: Option<DriverError> = None;
-        let (done, error) = unmap_runs(&self.driver, &t.runs);
+        let (done, error) = unmap_runs(&self.driver, &t.runs, || {});
         if let Some(e) = error {
             first_error.get_or_insert(e);
         }
