@@ -54,6 +54,10 @@ trait Replay {
     fn request_handles(&self) -> Option<u64> {
         None
     }
+    /// The allocator's own counters worth reporting, as (name, value).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        vec![]
+    }
 }
 
 struct Mb {
@@ -74,6 +78,20 @@ impl Replay for Mb {
     }
     fn request_handles(&self) -> Option<u64> {
         Some(self.a.stats().request_mapped_handles)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let s = self.a.stats();
+        vec![
+            ("cache_hits", s.cache_hits),
+            ("window_hits", s.window_hits),
+            ("request_maps", s.request_maps),
+            ("request_mapped_handles", s.request_mapped_handles),
+            ("request_created_chunks", s.request_created_chunks),
+            ("request_released_chunks", s.request_released_chunks),
+            ("cached_ranges_stolen", s.cached_ranges_stolen),
+            ("unmap_batches", s.unmap_batches),
+            ("unmap_calls_in_batches", s.unmap_calls_in_batches),
+        ]
     }
 }
 
@@ -124,6 +142,8 @@ struct Outcome {
     free_us: Summary,
     /// By handles mapped in the request (MoonBright only).
     by_handles: Vec<MapClass>,
+    /// The allocator's counters at the end (MoonBright only).
+    counters: std::collections::BTreeMap<String, u64>,
     ooms: usize,
     first_oom: Option<String>,
 }
@@ -172,6 +192,7 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
         r.free(p)?;
     }
     let (res, alloc) = r.peaks();
+    let counters = r.counters().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     Ok(Outcome {
         allocator: name.into(),
         ops: ops.len(),
@@ -191,6 +212,7 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
             .filter(|(_, v)| !v.is_empty())
             .map(|(&handles, v)| MapClass { handles, alloc_us: Summary::of(v) })
             .collect(),
+        counters,
         ooms,
         first_oom,
     })
@@ -299,6 +321,10 @@ fn run() -> Res<()> {
         );
         if let Some(e) = &o.first_oom {
             println!("    first failure: {e}");
+        }
+        if !o.counters.is_empty() {
+            let list: Vec<String> = o.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            println!("    {}", list.join(", "));
         }
         for c in &o.by_handles {
             println!(
