@@ -198,6 +198,7 @@ impl Allocator {
             va_limit: total_pages * page * options.va_limit_factor,
             unmap_batch_ranges: options.unmap_batch_ranges,
             unmap_batch_bytes: options.unmap_batch_bytes,
+            unmap_run_handles: options.unmap_run_handles,
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
             window_slab_pages: (options.prefetch_window_max / page).max(512),
         };

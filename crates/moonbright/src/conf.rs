@@ -28,6 +28,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("max_chunk", "bytes: a power of two of at most 64GiB"),
     ("unmap_batch", "retired ranges that trigger an unmap batch, 1 or more"),
     ("unmap_batch_bytes", "retired bytes that trigger an unmap batch"),
+    ("unmap_run_handles", "chunk mappings one unmap call covers at most, 0 for no limit"),
     ("unmap_batch_age_us", "microseconds after which retired ranges are unmapped anyway"),
     ("background", "true or false: the background worker (events, unmap batches, window)"),
     ("prefetch_window_min", "bytes the background mapper keeps mapped at least"),
@@ -145,6 +146,9 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
                 return Err(bad(name, v));
             }
             opts.unmap_batch_ranges = n;
+        }
+        "unmap_run_handles" => {
+            opts.unmap_run_handles = v.parse().map_err(|_| bad(name, v))?;
         }
         "unmap_batch_bytes" => {
             let b = bytes()?;
@@ -318,9 +322,13 @@ mod tests {
     #[test]
     fn pairs_apply_over_a_base() {
         let base = parse_conf("backend:host,cap:1GiB").unwrap();
-        let o = apply_pairs(base, [("unmap_batch", "3"), ("cap", "2GiB")]).unwrap();
+        let o =
+            apply_pairs(base, [("unmap_batch", "3"), ("cap", "2GiB"), ("unmap_run_handles", "0")])
+                .unwrap();
         assert_eq!(o.backend, BackendKind::Host);
         assert_eq!(o.cap_bytes, Some(2 << 30));
         assert_eq!(o.unmap_batch_ranges, 3);
+        assert_eq!(o.unmap_run_handles, 0);
+        assert!(apply_pairs(Options::default(), [("unmap_run_handles", "-1")]).is_err());
     }
 }

@@ -55,6 +55,10 @@ pub struct Options {
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
     pub unmap_batch_bytes: u64,
+    /// Most chunk mappings one `cuMemUnmap` of a batch covers; between its calls a batch gives
+    /// way (up to 2 ms) to requests that are mapping, since the driver serialises VMM calls.
+    /// 0: runs of any length, no giving way.
+    pub unmap_run_handles: usize,
     /// Age in microseconds at which retired ranges are unmapped even if the batch is small.
     pub unmap_batch_age_us: u64,
     /// Run the background worker: it records and polls events, unmaps retired ranges in batches,
@@ -87,6 +91,7 @@ impl Default for Options {
             host_capacity: 64 * GIB,
             max_chunk_bytes: 64 * MIB,
             unmap_batch_ranges: 256,
+            unmap_run_handles: 32,
             unmap_batch_bytes: 8 * GIB,
             unmap_batch_age_us: 50_000,
             background: true,

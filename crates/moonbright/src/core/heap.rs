@@ -83,6 +83,8 @@ pub(crate) struct Limits {
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
     pub unmap_batch_bytes: u64,
+    /// Most chunk mappings one unmap call covers (0: no limit).
+    pub unmap_run_handles: usize,
     /// Retired ranges older than this are unmapped at the next chance.
     pub unmap_batch_age: std::time::Duration,
     /// Pages of address space the window grows in at a time: at least the largest window, so
@@ -1060,7 +1062,8 @@ impl Heap {
     /// into runs.
     pub fn take_unmap_batch(&mut self) -> Vec<UnmapRun> {
         let streams = &self.streams;
-        let runs = self.va.take_retired_runs(|r| match r.after {
+        let max = self.lim.unmap_run_handles;
+        let runs = self.va.take_retired_runs(max, |r| match r.after {
             None => true,
             Some((s, epoch)) => streams.get(s).is_some_and(|f| f.is_done(epoch)),
         });
@@ -1169,7 +1172,7 @@ impl Heap {
             self.retire(g.base, len, g.chunks.clone());
         }
         let leaked = leaked + growables.values().filter(|g| !g.released).count();
-        let runs = self.va.take_retired_runs(|_| true);
+        let runs = self.va.take_retired_runs(0, |_| true);
         let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
         let mut reservations = self.va.reservations().to_vec();
         reservations.extend(growables.values().map(|g| (g.base, g.capacity)));

@@ -20,11 +20,6 @@ pub(crate) struct Retired {
     pub after: Option<(u64, u64)>,
 }
 
-/// The most chunk mappings one unmap call covers when it merges ranges. Unmap costs about 20 us
-/// a handle on an H200 and the driver serialises VMM calls, so a request that must map waits
-/// for the call in progress: this bounds that wait to well under a millisecond.
-pub(crate) const MAX_RUN_HANDLES: usize = 32;
-
 /// One run of retired ranges that are adjacent in address space: one unmap call covers it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct UnmapRun {
@@ -189,9 +184,14 @@ impl VaSpace {
     }
 
     /// Takes every retired range that `ready` allows, merged into runs of adjacent ranges (one
-    /// unmap each) of at most `MAX_RUN_HANDLES` chunk mappings, unless one range alone holds
-    /// more; the others stay retired.
-    pub fn take_retired_runs(&mut self, ready: impl Fn(&Retired) -> bool) -> Vec<UnmapRun> {
+    /// unmap each) of at most `max_handles` chunk mappings (0: no limit) unless one range alone
+    /// holds more; the others stay retired. Unmap costs about 20 us a handle on an H200 and the
+    /// driver serialises VMM calls, so the limit bounds how long a mapping request waits.
+    pub fn take_retired_runs(
+        &mut self,
+        max_handles: usize,
+        ready: impl Fn(&Retired) -> bool,
+    ) -> Vec<UnmapRun> {
         let (mut all, waiting): (Vec<Retired>, Vec<Retired>) =
             self.retired.drain(..).partition(|r| ready(r));
         self.retired_bytes = 0;
@@ -209,7 +209,7 @@ impl VaSpace {
                 Some(run)
                     if run.va + run.len == r.va
                         && same_reservation(run)
-                        && handles(run) + r.chunks.len() <= MAX_RUN_HANDLES =>
+                        && (max_handles == 0 || handles(run) + r.chunks.len() <= max_handles) =>
                 {
                     run.len += r.len;
                     run.parts.push(r);
@@ -286,7 +286,7 @@ mod tests {
         v.retire(Retired { va: 50, len: 50, chunks: vec![1], after: None });
         v.retire(Retired { va: 100, len: 50, chunks: vec![2], after: None });
         assert_eq!(
-            v.take_retired_runs(|_| true).len(),
+            v.take_retired_runs(0, |_| true).len(),
             2,
             "one unmap must not span two reservations"
         );
@@ -299,7 +299,7 @@ mod tests {
         v.retire(Retired { va: 0, len: 10, chunks: vec![0], after: None });
         v.retire(Retired { va: 10, len: 10, chunks: vec![1], after: None });
         v.retire(Retired { va: 50, len: 10, chunks: vec![3], after: None });
-        let runs = v.take_retired_runs(|_| true);
+        let runs = v.take_retired_runs(0, |_| true);
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].va, runs[0].len, runs[0].parts.len()), (0, 30, 3));
         assert_eq!((runs[1].va, runs[1].len), (50, 10));
@@ -316,7 +316,12 @@ mod tests {
             v.retire(Retired { va: i * 10, len: 10, chunks: vec![0, 1, 2], after: None });
         }
         v.retire(Retired { va: 400, len: 10, chunks: (0..50).collect(), after: None });
-        let runs = v.take_retired_runs(|_| true);
+        let mut unbounded = VaSpace::default();
+        for r in v.retired() {
+            unbounded.retire(r.clone());
+        }
+        assert_eq!(unbounded.take_retired_runs(0, |_| true).len(), 1, "0: no limit");
+        let runs = v.take_retired_runs(32, |_| true);
         let handles: Vec<usize> =
             runs.iter().map(|r| r.parts.iter().map(|p| p.chunks.len()).sum()).collect();
         assert_eq!(handles, vec![30, 30, 30, 30, 50]);

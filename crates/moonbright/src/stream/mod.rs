@@ -67,8 +67,11 @@ impl Shared {
         ex
     }
 
-    /// Waits, at most `GIVE_WAY_MAX`, while requests are mapping.
+    /// Waits, at most `GIVE_WAY_MAX`, while requests are mapping (unless runs are unbounded).
     fn give_way(&self) {
+        if self.options.unmap_run_handles == 0 {
+            return;
+        }
         let start = std::time::Instant::now();
         while self.requests_mapping.load(Ordering::Acquire) > 0 && start.elapsed() < GIVE_WAY_MAX {
             std::thread::yield_now();
