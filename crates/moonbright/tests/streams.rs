@@ -347,3 +347,31 @@ fn a_stream_breaks_up_its_own_larger_pending_free_without_waiting() {
     a.poll();
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn a_split_unmaps_only_the_ranges_that_still_map_its_chunk() {
+    let a = Allocator::new(Options { unmap_batch_age_us: 60_000_000, ..opts(false) }).unwrap();
+    // A one-page range, freed, then stolen by a larger request: its old addresses stay retired
+    // while its chunk lives on in `big`.
+    let k = a.malloc(PAGE).unwrap();
+    a.free(k).unwrap();
+    let big = a.malloc(4 * PAGE).unwrap();
+    stamp(&a, big, 4 * PAGE, 7).unwrap();
+    assert_eq!(a.stats().retired_ranges.current, 1);
+    // A four-page chunk, freed and cached; a two-page request must split it, which needs its
+    // cached addresses unmapped first.
+    let c = a.malloc(4 * PAGE).unwrap();
+    a.free(c).unwrap();
+    let d = a.malloc(2 * PAGE).unwrap();
+    stamp(&a, d, 2 * PAGE, 8).unwrap();
+    let st = a.stats();
+    assert_eq!((st.flushes_for_split, st.targeted_flushes, st.chunk_splits), (1, 1, 1));
+    assert_eq!(st.retired_ranges.current, 1, "the unrelated retired range was unmapped too");
+    assert!(verify(&a, big, 4 * PAGE, 7).unwrap() && verify(&a, d, 2 * PAGE, 8).unwrap());
+    a.check_invariants().unwrap();
+    // The full batch still takes it.
+    a.flush().unwrap();
+    assert_eq!(a.stats().retired_ranges.current, 0);
+    a.free(big).unwrap();
+    a.free(d).unwrap();
+}

@@ -90,6 +90,9 @@ impl Replay for Mb {
             ("request_released_chunks", s.request_released_chunks),
             ("cached_ranges_stolen", s.cached_ranges_stolen),
             ("unmap_batches", s.unmap_batches),
+            ("flushes_for_addresses", s.flushes_for_addresses),
+            ("flushes_for_split", s.flushes_for_split),
+            ("targeted_flushes", s.targeted_flushes),
             ("unmap_calls_in_batches", s.unmap_calls_in_batches),
         ]
     }

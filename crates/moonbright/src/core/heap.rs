@@ -99,8 +99,11 @@ pub(crate) enum Step {
     Map(MapPlan),
     /// Reserve this many more bytes of addresses, then plan again.
     Reserve(u64),
-    /// Unmap the retired ranges (to free addresses or chunks to split), then plan again.
-    Flush,
+    /// Unmap retired ranges, then plan again: with a chunk, only the ranges that still map it
+    /// (a chunk to split) when they can all go now; otherwise every one whose work has completed
+    /// (to free addresses). A request makes these calls itself, so the narrower the better: a
+    /// whole batch takes milliseconds.
+    Flush(Option<ChunkId>),
     /// Not enough free memory, counting everything that is free now.
     OutOfMemory(Error),
 }
@@ -609,7 +612,8 @@ impl Heap {
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
             if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
-                return Step::Flush;
+                self.stats.flushes_for_addresses += 1;
+                return Step::Flush(None);
             }
             let size = self.lim.reserve_bytes.max(len);
             let reserved = self.va.reserved_bytes();
@@ -705,10 +709,12 @@ impl Heap {
                     left = 0;
                 }
                 None => {
-                    // Every candidate is still mapped by a retired range: unmap first.
+                    // Every candidate is still mapped by a retired range: unmap the smallest's.
+                    let candidate = self.pool.smallest_bare_larger_than(left);
                     self.give_back(got, same_stream);
                     self.va.recycle(va, len);
-                    return Step::Flush;
+                    self.stats.flushes_for_split += 1;
+                    return Step::Flush(candidate);
                 }
             }
         }
@@ -1024,7 +1030,7 @@ impl Heap {
                     self.pool.put_bare(c);
                 }
                 if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
-                    return Some(Step::Flush);
+                    return Some(Step::Flush(None));
                 }
                 let size = self.lim.reserve_bytes.max(slab);
                 if self.va.reserved_bytes() + size > self.lim.va_limit {
@@ -1058,15 +1064,32 @@ impl Heap {
                 || self.va.retired_age() >= self.lim.unmap_batch_age)
     }
 
-    /// Takes every retired range whose stream work has completed out for unmapping, merged
-    /// into runs.
-    pub fn take_unmap_batch(&mut self) -> Vec<UnmapRun> {
+    /// Takes retired ranges whose stream work has completed out for unmapping, merged into runs:
+    /// with `only`, the ranges that map that chunk if that is every mapping it has and all can
+    /// go now (so it can be split); otherwise all of them.
+    pub fn take_unmap_batch(&mut self, only: Option<ChunkId>) -> Vec<UnmapRun> {
         let streams = &self.streams;
-        let max = self.lim.unmap_run_handles;
-        let runs = self.va.take_retired_runs(max, |r| match r.after {
+        let ready = |r: &Retired| match r.after {
             None => true,
             Some((s, epoch)) => streams.get(s).is_some_and(|f| f.is_done(epoch)),
+        };
+        let max = self.lim.unmap_run_handles;
+        let frees_it = only.and_then(|c| {
+            let mappings = self.pool.try_get(c)?.mappings as usize;
+            let (n, all_ready) = self
+                .va
+                .retired()
+                .filter(|r| r.chunks.contains(&c))
+                .fold((0, true), |(n, ok), r| (n + 1, ok && ready(r)));
+            (n > 0 && n == mappings && all_ready).then_some(c)
         });
+        let runs = match frees_it {
+            Some(c) => {
+                self.stats.targeted_flushes += 1;
+                self.va.take_retired_runs(max, |r| r.chunks.contains(&c))
+            }
+            None => self.va.take_retired_runs(max, ready),
+        };
         self.unmapping += runs.len();
         for run in &runs {
             if self.va.is_private(run.va) {

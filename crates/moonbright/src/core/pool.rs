@@ -76,6 +76,11 @@ impl Pool {
         self.chunks[id as usize].as_ref().expect("no such chunk")
     }
 
+    /// The chunk `id`, if it is still held.
+    pub fn try_get(&self, id: ChunkId) -> Option<&Chunk> {
+        self.chunks.get(id as usize)?.as_ref()
+    }
+
     fn get_mut(&mut self, id: ChunkId) -> &mut Chunk {
         self.chunks[id as usize].as_mut().expect("no such chunk")
     }
@@ -129,6 +134,11 @@ impl Pool {
         let &(p, id) =
             self.bare.range((pages + 1, 0)..).find(|&&(_, id)| self.get(id).mappings == 0)?;
         Some(self.unbare(p, id))
+    }
+
+    /// The smallest bare chunk larger than `pages` (mapped or not), left bare.
+    pub fn smallest_bare_larger_than(&self, pages: u64) -> Option<ChunkId> {
+        self.bare.range((pages + 1, 0)..).next().map(|&(_, id)| id)
     }
 
     /// Whether some bare chunk larger than `pages` exists (mapped or not).

@@ -81,6 +81,12 @@ pub struct Stats {
     /// Chunks those requests created or released (splits included).
     pub request_created_chunks: u64,
     pub request_released_chunks: u64,
+    /// Plans that had to unmap the retired ranges before going on: to reuse their addresses, or
+    /// to split a chunk they still map. A request that meets one unmaps the whole batch itself.
+    pub flushes_for_addresses: u64,
+    pub flushes_for_split: u64,
+    /// Flushes that unmapped only the ranges mapping the chunk to split.
+    pub targeted_flushes: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,
     /// Chunks released and recreated smaller under pressure.

@@ -195,9 +195,14 @@ impl VaSpace {
         let (mut all, waiting): (Vec<Retired>, Vec<Retired>) =
             self.retired.drain(..).partition(|r| ready(r));
         self.retired_bytes = 0;
-        self.retired_since = None;
+        // Those left keep the oldest's age (an overestimate at worst), so that taking a few
+        // out never postpones the batch that the age limit is due to start.
+        let since = self.retired_since.take();
         for r in waiting {
             self.retire(r);
+        }
+        if !self.retired.is_empty() {
+            self.retired_since = since;
         }
         all.sort_by_key(|r| r.va);
         let mut runs: Vec<UnmapRun> = Vec::new();

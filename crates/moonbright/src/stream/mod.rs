@@ -214,8 +214,8 @@ impl Shared {
                     let base = self.driver.reserve(len as usize, page)?;
                     self.heap().add_reservation(base, len);
                 }
-                Step::Flush => {
-                    if !self.flush()? {
+                Step::Flush(only) => {
+                    if !self.flush_only(only)? {
                         // Another thread's unmaps are in flight: let them land.
                         std::thread::sleep(WAIT_STEP);
                     }
@@ -303,7 +303,13 @@ impl Shared {
 
     /// Unmaps every retired range now. Returns whether there was anything to unmap.
     pub fn flush(&self) -> Result<bool> {
-        let runs = self.heap().take_unmap_batch();
+        self.flush_only(None)
+    }
+
+    /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives. Returns whether there was
+    /// anything to unmap.
+    fn flush_only(&self, only: Option<crate::core::pool::ChunkId>) -> Result<bool> {
+        let runs = self.heap().take_unmap_batch(only);
         if runs.is_empty() {
             return Ok(false);
         }

@@ -97,7 +97,7 @@ fn refill_window(
     };
     let plan = match plan {
         None | Some(Step::OutOfMemory(_)) => return false,
-        Some(Step::Flush) => {
+        Some(Step::Flush(_)) => {
             if let Err(crate::Error::Driver(e)) = shared.flush() {
                 shared.heap().note_deferred_error(e);
             }

@@ -141,7 +141,7 @@ impl Heap {
                 self.growables.get_mut(&ptr).expect("checked above").plan = Some(plan.id);
                 Resize::Map(plan)
             }
-            Step::Flush => Resize::Flush,
+            Step::Flush(_) => Resize::Flush,
             Step::OutOfMemory(e) => Resize::OutOfMemory(e),
             Step::Reserve(_) => unreachable!("a growable's tail needs no new reservation"),
         })
