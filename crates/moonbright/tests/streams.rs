@@ -375,3 +375,46 @@ fn a_split_unmaps_only_the_ranges_that_still_map_its_chunk() {
     a.free(big).unwrap();
     a.free(d).unwrap();
 }
+
+#[test]
+fn frees_close_together_share_one_event_and_the_worker_covers_the_rest() {
+    let a = Allocator::new(Options { prefetch_window_max: 0, ..opts(true) }).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let ps: Vec<_> = (0..20).map(|_| a.malloc_async(PAGE, s[0]).unwrap()).collect();
+    for &p in &ps {
+        a.free_async(p, s[0]).unwrap();
+    }
+    // Twenty frees in a row: some follow another's event within the gap (100 us) and record
+    // none of their own.
+    let coalesced = a.stats().coalesced_free_events;
+    assert!(coalesced >= 1, "every free recorded its own event");
+    // While s0 is held nothing completes: s1 gets fresh memory, never s0's pending ranges.
+    let q = a.malloc_async(PAGE, s[1]).unwrap();
+    assert!(!ps.contains(&q));
+    host(&a).release_stream(s[0]);
+    // Once s0's work is done every free completes, the coalesced ones too: the worker
+    // recorded the event that covers them.
+    eventually("every free to complete", || a.stats().cached_ranges.current == 20);
+    a.free_async(q, s[1]).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn the_worker_records_no_event_on_a_stream_being_captured() {
+    let a = Allocator::new(Options { prefetch_window_max: 0, ..opts(true) }).unwrap();
+    let s = streams(&a, 1)[0];
+    let ps: Vec<_> = (0..20).map(|_| a.malloc_async(PAGE, s).unwrap()).collect();
+    for &p in &ps {
+        a.free_async(p, s).unwrap();
+    }
+    // The last frees likely recorded no event of their own; a capture begins before the worker
+    // covers them. An event recorded now would be captured, and querying it would fail.
+    host(&a).begin_capture(s);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(a.stats().deferred_errors, 0, "the worker recorded into the capture");
+    host(&a).end_capture(s);
+    eventually("every free to complete", || a.stats().cached_ranges.current == 20);
+    assert_eq!(a.stats().deferred_errors, 0);
+    a.check_invariants().unwrap();
+}

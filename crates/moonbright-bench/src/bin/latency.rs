@@ -132,7 +132,10 @@ fn map_calls(c: &moonbright::driver::CallCounts) -> u64 {
 }
 
 fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
-    let (warm, n) = reps(size, quick);
+    // Hits of a warm pool cost the same at every size: they get the repetitions of the smallest
+    // (8 samples of a sub-microsecond pair are too few for a median).
+    let cheap = matches!(kind, PathKind::MbCache | PathKind::CuMemAllocAsync);
+    let (warm, n) = reps(if cheap { 0 } else { size }, quick);
     let n = if kind == PathKind::RawVmmPages && size > GIB { n.min(3) } else { n };
     let mut p = kind.make(gpu, size)?;
     for _ in 0..warm {
