@@ -442,14 +442,8 @@ impl Heap {
 
     /// Frees in `stream`'s order: reusable at once by `stream`, by others once an event recorded
     /// after this free has completed. Returns the free's epoch and a spare event to record, if the
-    /// stream has one (else the caller creates one); or `None` when `coalesce` is set and the
-    /// stream recorded an event within `EVENT_COALESCE` (the worker records the next one).
-    pub fn free_on_stream(
-        &mut self,
-        ptr: u64,
-        stream: u64,
-        coalesce: bool,
-    ) -> Result<Option<(u64, Option<EventHandle>)>> {
+    /// stream has one (else the caller creates one).
+    pub fn free_on_stream(&mut self, ptr: u64, stream: u64) -> Result<(u64, Option<EventHandle>)> {
         let live = self.take_live(ptr)?;
         self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
         let what = match live.backing {
@@ -462,12 +456,7 @@ impl Heap {
             }
         };
         let epoch = self.streams.push(stream, what);
-        let frees = self.streams.entry(stream);
-        if coalesce && !frees.wants_event() {
-            self.stats.coalesced_free_events += 1;
-            return Ok(None);
-        }
-        Ok(Some((epoch, frees.spare_event())))
+        Ok((epoch, self.streams.entry(stream).spare_event()))
     }
 
     /// Notes that `event` was recorded on `stream` after the free of `epoch`.

@@ -87,9 +87,6 @@ pub struct Stats {
     pub flushes_for_split: u64,
     /// Flushes that unmapped only the ranges mapping the chunk to split.
     pub targeted_flushes: u64,
-    /// Stream frees that recorded no event of their own, an event of their stream's having been
-    /// recorded just before (`EVENT_COALESCE`): the next event covers them.
-    pub coalesced_free_events: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,
     /// Chunks released and recreated smaller under pressure.

@@ -3,15 +3,8 @@
 //! may reuse them (stream order makes that safe), by exact size. Pure bookkeeping.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::time::{Duration, Instant};
 
 use crate::driver::EventHandle;
-
-/// With the background worker on, a free records its own event only if its stream recorded
-/// none this recently: the frees in between are covered by the next event, which the worker
-/// records within its tick (or the next free after the gap does). Recording costs about 0.3 us
-/// of a 0.5 us free on an H200; skipping it only delays other streams' reuse of the memory.
-pub(crate) const EVENT_COALESCE: Duration = Duration::from_micros(100);
 
 /// Something freed on a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,8 +43,6 @@ pub(crate) struct StreamFrees {
     done: Option<u64>,
     /// Pages in this stream's pending ranges.
     range_pages: u64,
-    /// When the newest event was recorded.
-    last_record: Option<Instant>,
 }
 
 impl StreamFrees {
@@ -172,13 +163,6 @@ impl StreamFrees {
     pub fn recorded(&mut self, epoch: u64, event: EventHandle) {
         self.covered = self.covered.max(Some(epoch));
         self.events.push_back((epoch, event));
-        self.last_record = Some(Instant::now());
-    }
-
-    /// Whether a free now should record its own event: none was recorded in the last
-    /// `EVENT_COALESCE`.
-    pub fn wants_event(&self) -> bool {
-        self.last_record.map_or(true, |t| t.elapsed() >= EVENT_COALESCE)
     }
 
     /// Gives back an event that could not be recorded.

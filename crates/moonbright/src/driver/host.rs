@@ -65,9 +65,6 @@ enum EventState {
     Done,
     /// Recorded on `stream` during its hold `hold`: done once that hold ends.
     Pending { stream: u64, hold: u64 },
-    /// Recorded on a stream being captured into a graph: captured, not recorded, so querying
-    /// it fails until it is recorded again outside a capture (as with CUDA).
-    Captured,
 }
 
 #[derive(Debug)]
@@ -750,7 +747,6 @@ impl Driver for HostDriver {
                 format!("record_event: stream {} is unknown", stream.0),
             ));
         };
-        let captured = st.capturing.contains(&stream.0);
         let Some(ev) = st.events.get_mut(&event.0) else {
             return Err(err(
                 call,
@@ -759,7 +755,6 @@ impl Driver for HostDriver {
             ));
         };
         *ev = match hold {
-            _ if captured => EventState::Captured,
             Some(hold) => EventState::Pending { stream: stream.0, hold },
             None => EventState::Done,
         };
@@ -773,11 +768,6 @@ impl Driver for HostDriver {
             Some(&EventState::Pending { stream, hold }) => {
                 Ok(st.streams.get(&stream).copied().flatten() != Some(hold))
             }
-            Some(EventState::Captured) => Err(err(
-                CallKind::EventQuery,
-                code::STREAM_CAPTURE_UNSUPPORTED,
-                format!("event_done: event {} was captured into a graph, not recorded", event.0),
-            )),
             None => Err(err(
                 CallKind::EventQuery,
                 code::INVALID_HANDLE,

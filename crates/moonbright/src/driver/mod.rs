@@ -173,8 +173,6 @@ pub mod code {
     pub const NOT_READY: i32 = 600;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
     pub const NOT_SUPPORTED: i32 = 801;
-    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
-    pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
     /// `CUDA_ERROR_UNKNOWN`: what an injected failure reports.
     pub const UNKNOWN: i32 = 999;
 }

@@ -148,18 +148,15 @@ impl Shared {
     /// other streams may reuse the memory.
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.refuse_capture(stream)?;
-        let coalesce = self.options.background;
-        let Some((epoch, spare)) = ({
+        let (epoch, spare) = {
             let mut heap = self.heap();
             if heap.is_growable(ptr) {
                 drop(heap);
                 return self.release_growable(ptr, Some(stream.0));
             }
-            let r = heap.free_on_stream(ptr, stream.0, coalesce);
+            let r = heap.free_on_stream(ptr, stream.0);
             self.validated(&heap);
             r?
-        }) else {
-            return Ok(());
         };
         // A failure here is not the caller's: the free took effect, and a later event on the
         // stream (the worker records one) covers it.
@@ -252,17 +249,10 @@ impl Shared {
 
     // ---- events ---------------------------------------------------------------------------------
 
-    /// Records an event on every stream with frees no event covers yet, except streams being
-    /// captured into a graph (an event recorded there would be captured, not recorded).
+    /// Records an event on every stream with frees no event covers yet.
     pub fn record_missing_events(&self) {
         let needing = self.heap().streams_needing_events();
         for (stream, epoch, spare) in needing {
-            if self.driver.is_capturing(StreamHandle(stream)).unwrap_or(false) {
-                if let Some(e) = spare {
-                    self.heap().return_event(stream, e);
-                }
-                continue;
-            }
             if let Err(e) = self.record(stream, epoch, spare) {
                 self.heap().note_deferred_error(e);
             }
