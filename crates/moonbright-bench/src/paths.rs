@@ -26,6 +26,10 @@ pub trait AllocPath {
     fn counts(&self) -> Option<CallCounts> {
         None
     }
+    /// MoonBright's time in virtual-memory calls so far, if this is MoonBright.
+    fn times(&self) -> Option<moonbright::driver::CallTimes> {
+        None
+    }
     /// MoonBright's cache hits so far, if this is MoonBright.
     fn cache_hits(&self) -> Option<u64> {
         None
@@ -142,6 +146,10 @@ impl AllocPath for Mb {
 
     fn cache_hits(&self) -> Option<u64> {
         Some(self.inner.stats().cache_hits)
+    }
+
+    fn times(&self) -> Option<moonbright::driver::CallTimes> {
+        Some(self.inner.driver().times())
     }
 }
 

@@ -125,6 +125,9 @@ struct Row {
     mallocs_with_map_calls: Option<usize>,
     /// MoonBright: every driver call during the timed repetitions (background workers included).
     driver_calls: Option<BTreeMap<String, u64>>,
+    /// MoonBright: microseconds a timed repetition spent in each kind of virtual-memory call, on
+    /// average (background workers included).
+    vmm_us_per_rep: Option<BTreeMap<String, f64>>,
 }
 
 fn map_calls(c: &moonbright::driver::CallCounts) -> u64 {
@@ -143,7 +146,7 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
         let x = p.alloc(size)?;
         p.free(x)?;
     }
-    let (c0, h0) = (p.counts(), p.cache_hits());
+    let (c0, h0, vmm0) = (p.counts(), p.cache_hits(), p.times());
     let (mut a, mut f, mut pair) = (Vec::new(), Vec::new(), Vec::new());
     let mut with_map = 0;
     for _ in 0..n {
@@ -165,7 +168,17 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
         f.push(tf);
         pair.push(ta + tf);
     }
-    let (c1, h1) = (p.counts(), p.cache_hits());
+    let (c1, h1, vmm1) = (p.counts(), p.cache_hits(), p.times());
+    let vmm_us_per_rep = vmm1.zip(vmm0).map(|(b, a)| {
+        moonbright::CallKind::ALL
+            .iter()
+            .filter(|&&k| b.total_ns[k as usize] > a.total_ns[k as usize])
+            .map(|&k| {
+                let ns = b.total_ns[k as usize] - a.total_ns[k as usize];
+                (k.key().to_string(), ns as f64 / 1e3 / n as f64)
+            })
+            .collect()
+    });
     Ok(Row {
         path: kind,
         label: kind.label(),
@@ -176,6 +189,7 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
         cache_hits: h1.zip(h0).map(|(b, a)| b - a),
         mallocs_with_map_calls: c0.as_ref().map(|_| with_map),
         driver_calls: c1.zip(c0).map(|(b, a)| call_delta(&b, &a)),
+        vmm_us_per_rep,
     })
 }
 
@@ -466,6 +480,12 @@ fn run() -> Res<()> {
     }
     println!("\n== alloc+free latency");
     print_rows(&rows);
+    println!("\n== MoonBright cold maps: us per repetition in each virtual-memory call");
+    for r in rows.iter().filter(|r| r.path == PathKind::MbCold) {
+        let calls: Vec<String> =
+            r.vmm_us_per_rep.iter().flatten().map(|(k, us)| format!("{k} {us:.1}")).collect();
+        println!("  {:>7}  alloc p50 {:>8.1}: {}", human(r.size), r.alloc_us.p50, calls.join(", "));
+    }
 
     let mut kernel = vec![];
     if !args.no_kernel {

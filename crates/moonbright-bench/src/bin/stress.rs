@@ -58,6 +58,18 @@ trait Replay {
     fn counters(&self) -> Vec<(&'static str, u64)> {
         vec![]
     }
+    /// Virtual-memory calls by kind: (kind, calls, mean us, longest us), if timed.
+    fn vmm_times(&self) -> Vec<VmmTime> {
+        vec![]
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct VmmTime {
+    call: &'static str,
+    calls: u64,
+    mean_us: f64,
+    max_us: f64,
 }
 
 struct Mb {
@@ -78,6 +90,19 @@ impl Replay for Mb {
     }
     fn request_handles(&self) -> Option<u64> {
         Some(self.a.stats().request_mapped_handles)
+    }
+    fn vmm_times(&self) -> Vec<VmmTime> {
+        let (counts, times) = (self.a.driver().counts(), self.a.driver().times());
+        moonbright::CallKind::ALL
+            .iter()
+            .filter(|&&k| moonbright::driver::CallTimes::timed(k) && counts.get(k) > 0)
+            .map(|&k| VmmTime {
+                call: k.key(),
+                calls: counts.get(k),
+                mean_us: times.total_ns[k as usize] as f64 / counts.get(k) as f64 / 1e3,
+                max_us: times.max_ns[k as usize] as f64 / 1e3,
+            })
+            .collect()
     }
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let s = self.a.stats();
@@ -147,6 +172,8 @@ struct Outcome {
     by_handles: Vec<MapClass>,
     /// The allocator's counters at the end (MoonBright only).
     counters: std::collections::BTreeMap<String, u64>,
+    /// Its virtual-memory calls, every thread's (MoonBright only).
+    vmm_calls: Vec<VmmTime>,
     ooms: usize,
     first_oom: Option<String>,
 }
@@ -196,6 +223,7 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
     }
     let (res, alloc) = r.peaks();
     let counters = r.counters().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    let vmm_calls = r.vmm_times();
     Ok(Outcome {
         allocator: name.into(),
         ops: ops.len(),
@@ -216,6 +244,7 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
             .map(|(&handles, v)| MapClass { handles, alloc_us: Summary::of(v) })
             .collect(),
         counters,
+        vmm_calls,
         ooms,
         first_oom,
     })
@@ -328,6 +357,14 @@ fn run() -> Res<()> {
         if !o.counters.is_empty() {
             let list: Vec<String> = o.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
             println!("    {}", list.join(", "));
+        }
+        if !o.vmm_calls.is_empty() {
+            let list: Vec<String> = o
+                .vmm_calls
+                .iter()
+                .map(|v| format!("{} {} x {:.1} (max {:.0})", v.call, v.calls, v.mean_us, v.max_us))
+                .collect();
+            println!("    VMM calls, mean (max) us: {}", list.join(", "));
         }
         for c in &o.by_handles {
             println!(

@@ -285,6 +285,23 @@ impl CallCounts {
     }
 }
 
+/// Time spent in the virtual-memory calls (reserve, create, release, map, set access, unmap),
+/// by kind: the total and the longest single call, in nanoseconds. Other kinds stay at zero
+/// (their calls are sub-microsecond and on fast paths, where two clock reads would show).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallTimes {
+    pub total_ns: [u64; CallKind::ALL.len()],
+    pub max_ns: [u64; CallKind::ALL.len()],
+}
+
+impl CallTimes {
+    /// Whether calls of `kind` are timed.
+    pub fn timed(kind: CallKind) -> bool {
+        use CallKind::*;
+        matches!(kind, Reserve | Create | Release | Map | SetAccess | Unmap)
+    }
+}
+
 /// A planned failure: the `nth` next call of `kind` (1 = the very next) fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PlannedFailure {
@@ -301,6 +318,9 @@ struct PlannedFailure {
 pub struct Instrumented<D> {
     inner: D,
     counts: [AtomicU64; CallKind::ALL.len()],
+    /// Nanoseconds in timed calls, total and longest (not kept under loom).
+    #[cfg(not(loom))]
+    nanos: [(AtomicU64, AtomicU64); CallKind::ALL.len()],
     armed: AtomicU64,
     plans: Mutex<Vec<PlannedFailure>>,
 }
@@ -311,6 +331,8 @@ impl<D: Driver> Instrumented<D> {
         Instrumented {
             inner,
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            #[cfg(not(loom))]
+            nanos: std::array::from_fn(|_| (AtomicU64::new(0), AtomicU64::new(0))),
             armed: AtomicU64::new(0),
             plans: Mutex::new(Vec::new()),
         }
@@ -328,6 +350,38 @@ impl<D: Driver> Instrumented<D> {
             out.0[k as usize] = self.counts[k as usize].load(Ordering::Relaxed);
         }
         out
+    }
+
+    /// Time spent in the virtual-memory calls so far (all zero under loom).
+    pub fn times(&self) -> CallTimes {
+        let mut out = CallTimes::default();
+        #[cfg(not(loom))]
+        for k in CallKind::ALL {
+            let (total, max) = &self.nanos[k as usize];
+            out.total_ns[k as usize] = total.load(Ordering::Relaxed);
+            out.max_ns[k as usize] = max.load(Ordering::Relaxed);
+        }
+        out
+    }
+
+    /// Runs a virtual-memory call, adding its duration to the kind's total and maximum.
+    #[inline]
+    fn timed<T>(&self, kind: CallKind, call: impl FnOnce() -> DriverResult<T>) -> DriverResult<T> {
+        #[cfg(not(loom))]
+        {
+            let start = std::time::Instant::now();
+            let r = call();
+            let ns = start.elapsed().as_nanos() as u64;
+            let (total, max) = &self.nanos[kind as usize];
+            total.fetch_add(ns, Ordering::Relaxed);
+            max.fetch_max(ns, Ordering::Relaxed);
+            r
+        }
+        #[cfg(loom)]
+        {
+            let _ = kind;
+            call()
+        }
     }
 
     /// Makes the `nth` next call of `kind` (1 = the next one) fail with `CUDA_ERROR_UNKNOWN`,
@@ -392,7 +446,7 @@ impl<D: Driver> Driver for Instrumented<D> {
     }
     fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
         self.enter(CallKind::Reserve)?;
-        self.inner.reserve(size, alignment)
+        self.timed(CallKind::Reserve, || self.inner.reserve(size, alignment))
     }
     fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
         self.enter(CallKind::FreeReservation)?;
@@ -400,23 +454,23 @@ impl<D: Driver> Driver for Instrumented<D> {
     }
     fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
         self.enter(CallKind::Create)?;
-        self.inner.create_chunk(size)
+        self.timed(CallKind::Create, || self.inner.create_chunk(size))
     }
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
         self.enter(CallKind::Release)?;
-        self.inner.release_chunk(handle)
+        self.timed(CallKind::Release, || self.inner.release_chunk(handle))
     }
     fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
         self.enter(CallKind::Map)?;
-        self.inner.map(va, size, handle)
+        self.timed(CallKind::Map, || self.inner.map(va, size, handle))
     }
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         self.enter(CallKind::SetAccess)?;
-        self.inner.set_access(va, size)
+        self.timed(CallKind::SetAccess, || self.inner.set_access(va, size))
     }
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         self.enter(CallKind::Unmap)?;
-        self.inner.unmap(va, size)
+        self.timed(CallKind::Unmap, || self.inner.unmap(va, size))
     }
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
         self.enter(CallKind::Copy)?;
@@ -475,6 +529,23 @@ mod tests {
         assert_eq!(d.get(CallKind::Map), 3);
         assert_eq!(d.get(CallKind::Unmap), 2);
         assert_eq!(d.total(), 5);
+    }
+
+    #[test]
+    fn vmm_calls_are_timed_and_others_are_not() {
+        let cfg = host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let d = Instrumented::new(host::HostDriver::new(cfg).unwrap());
+        let h = d.create_chunk(64 << 10).unwrap();
+        let va = d.reserve(128 << 10, 0).unwrap();
+        d.map(va, 64 << 10, h).unwrap();
+        d.map(va + (64 << 10), 64 << 10, h).unwrap();
+        d.create_stream().unwrap();
+        let t = d.times();
+        let map = CallKind::Map as usize;
+        assert!(t.max_ns[map] > 0 && t.max_ns[map] <= t.total_ns[map]);
+        assert!(t.total_ns[CallKind::Create as usize] > 0);
+        assert_eq!(t.total_ns[CallKind::StreamCreate as usize], 0);
+        assert!(CallTimes::timed(CallKind::SetAccess) && !CallTimes::timed(CallKind::EventRecord));
     }
 
     #[test]
