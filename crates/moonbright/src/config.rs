@@ -55,9 +55,10 @@ pub struct Options {
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
     pub unmap_batch_bytes: u64,
-    /// Most chunk mappings one `cuMemUnmap` of a batch covers; between its calls a batch gives
-    /// way (up to 2 ms) to requests that are mapping, since the driver serialises VMM calls.
-    /// 0: runs of any length, no giving way.
+    /// Most chunk mappings one `cuMemUnmap` of a batch covers; between its calls the background
+    /// worker's batch gives way (up to 2 ms) to requests that are mapping, since the driver
+    /// serialises VMM calls. 0: runs of any length, no giving way. (On the H200 stress this
+    /// changed nothing measurable; see README.)
     pub unmap_run_handles: usize,
     /// Age in microseconds at which retired ranges are unmapped even if the batch is small.
     pub unmap_batch_age_us: u64,

@@ -72,8 +72,8 @@ pub struct Stats {
     pub window_hits: u64,
     /// Allocations served from a sub-page arena.
     pub subpage_allocations: u64,
-    /// Requests that mapped a range of their own, synchronously (every other request of a page
-    /// or more was a cache or window hit).
+    /// Allocation requests that mapped a range of their own, synchronously (every other request
+    /// of a page or more was a cache or window hit). Growable resizes are not counted here.
     pub request_maps: u64,
     /// Chunk handles those requests mapped: each costs one set-access share (about 25 us on an
     /// H200), the dominant cost of a synchronous map.
@@ -81,11 +81,12 @@ pub struct Stats {
     /// Chunks those requests created or released (splits included).
     pub request_created_chunks: u64,
     pub request_released_chunks: u64,
-    /// Plans that had to unmap the retired ranges before going on: to reuse their addresses, or
-    /// to split a chunk they still map. A request that meets one unmaps the whole batch itself.
+    /// Plans that had to unmap retired ranges before going on: to reuse their addresses, or to
+    /// split a chunk they still map. The request makes those unmap calls itself: the whole
+    /// batch, or for a split only the ranges that still map its chunk when they can all go now.
     pub flushes_for_addresses: u64,
     pub flushes_for_split: u64,
-    /// Flushes that unmapped only the ranges mapping the chunk to split.
+    /// Flushes (of either kind) that unmapped only the ranges mapping the chunk to split.
     pub targeted_flushes: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,

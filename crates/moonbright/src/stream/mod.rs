@@ -215,7 +215,7 @@ impl Shared {
                     self.heap().add_reservation(base, len);
                 }
                 Step::Flush(only) => {
-                    if !self.flush_only(only)? {
+                    if !self.flush_only(only, false)? {
                         // Another thread's unmaps are in flight: let them land.
                         std::thread::sleep(WAIT_STEP);
                     }
@@ -303,17 +303,28 @@ impl Shared {
 
     /// Unmaps every retired range now. Returns whether there was anything to unmap.
     pub fn flush(&self) -> Result<bool> {
-        self.flush_only(None)
+        self.flush_only(None, false)
     }
 
-    /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives. Returns whether there was
-    /// anything to unmap.
-    fn flush_only(&self, only: Option<crate::core::pool::ChunkId>) -> Result<bool> {
+    /// The background worker's flush: as `flush`, but between its unmap calls it gives way to
+    /// requests that are mapping.
+    pub fn flush_in_background(&self) -> Result<bool> {
+        self.flush_only(None, true)
+    }
+
+    /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives, giving way between calls
+    /// if asked (never when a request flushes for itself). Returns whether there was anything
+    /// to unmap.
+    fn flush_only(&self, only: Option<crate::core::pool::ChunkId>, yields: bool) -> Result<bool> {
         let runs = self.heap().take_unmap_batch(only);
         if runs.is_empty() {
             return Ok(false);
         }
-        let (done, error) = unmap_runs(&self.driver, &runs, || self.give_way());
+        let (done, error) = unmap_runs(&self.driver, &runs, || {
+            if yields {
+                self.give_way()
+            }
+        });
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);

@@ -55,7 +55,7 @@ pub(crate) fn run(shared: Arc<Shared>) {
         let mut busy = shared.poll_events();
         if shared.heap().unmap_due() {
             // A failed unmap stays retired and is retried; the error is recorded for the user.
-            if let Err(crate::Error::Driver(e)) = shared.flush() {
+            if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
                 shared.heap().note_deferred_error(e);
             }
             busy = true;
@@ -98,7 +98,7 @@ fn refill_window(
     let plan = match plan {
         None | Some(Step::OutOfMemory(_)) => return false,
         Some(Step::Flush(_)) => {
-            if let Err(crate::Error::Driver(e)) = shared.flush() {
+            if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
                 shared.heap().note_deferred_error(e);
             }
             return true;
