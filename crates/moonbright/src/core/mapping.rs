@@ -150,3 +150,43 @@ pub(crate) fn unmap_runs(
     }
     (runs.len(), None)
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::core::vaspace::{Retired, UnmapRun};
+    use crate::driver::host::{HostConfig, HostDriver};
+    use crate::driver::{CallKind, Instrumented};
+
+    /// Three one-page ranges mapped back to back, as three runs to unmap.
+    fn three_runs(d: &Instrumented<HostDriver>) -> Vec<UnmapRun> {
+        let page = d.granularity() as u64;
+        let base = d.reserve(3 * page as usize, 0).unwrap();
+        (0..3)
+            .map(|i| {
+                let va = base + i * page;
+                d.map(va, page as usize, d.create_chunk(page as usize).unwrap()).unwrap();
+                let part = Retired { va, len: page, chunks: vec![i as u32], after: None };
+                UnmapRun { va, len: page, parts: vec![part] }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn unmap_runs_calls_between_before_every_call_but_the_first_and_stops_at_a_failure() {
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let d = Instrumented::new(HostDriver::new(cfg).unwrap());
+        let between = Cell::new(0);
+        let runs = three_runs(&d);
+        let (done, err) = unmap_runs(&d, &runs, || between.set(between.get() + 1));
+        assert_eq!((done, err.is_none(), between.get()), (3, true, 2));
+
+        between.set(0);
+        let runs = three_runs(&d);
+        d.fail_nth(CallKind::Unmap, 2, None);
+        let (done, err) = unmap_runs(&d, &runs, || between.set(between.get() + 1));
+        assert_eq!((done, err.map(|e| e.call), between.get()), (1, Some(CallKind::Unmap), 1));
+    }
+}
