@@ -44,6 +44,8 @@ def test_import_and_version():
 def test_parse_conf_values_and_errors():
     o = moonbright.parse_conf("backend:host,cap:12GiB,unmap_batch:8,validate:false")
     assert o["backend"] == "host" and o["cap"] == 12 << 30 and o["unmap_batch"] == 8
+    assert o["unmap_run_handles"] == 32
+    assert moonbright.parse_conf("unmap_run_handles:0")["unmap_run_handles"] == 0
     with pytest.raises(ValueError, match="cap_fraction") as e:
         moonbright.parse_conf("cap_fraction:2")
     assert "(0, 1]" in str(e.value)
