@@ -298,6 +298,7 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     d.set_item("unmap_batch", o.unmap_batch_ranges)?;
     d.set_item("unmap_batch_bytes", o.unmap_batch_bytes)?;
     d.set_item("unmap_run_handles", o.unmap_run_handles)?;
+    d.set_item("reuse_addresses", o.reuse_addresses)?;
     d.set_item("validate", o.validate)?;
     Ok(d.unbind())
 }

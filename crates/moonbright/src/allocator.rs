@@ -201,6 +201,7 @@ impl Allocator {
             unmap_run_handles: options.unmap_run_handles,
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
             window_slab_pages: (options.prefetch_window_max / page).max(512),
+            reuse_addresses: options.reuse_addresses,
         };
         let background = options.background;
         let shared = Arc::new(Shared::new(driver, Heap::new(lim), options));

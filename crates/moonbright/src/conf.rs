@@ -34,6 +34,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("prefetch_window_min", "bytes the background mapper keeps mapped at least"),
     ("prefetch_window_max", "bytes the background mapper keeps mapped at most; 0 turns it off"),
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
+    ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("validate", "true or false"),
 ];
 
@@ -168,6 +169,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.window_refill_pages = n;
         }
+        "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
         _ => unreachable!("every key in KEYS is handled"),
     }
@@ -330,5 +332,8 @@ mod tests {
         assert_eq!(o.unmap_batch_ranges, 3);
         assert_eq!(o.unmap_run_handles, 0);
         assert!(apply_pairs(Options::default(), [("unmap_run_handles", "-1")]).is_err());
+        let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
+        assert!(!o.reuse_addresses && Options::default().reuse_addresses);
+        assert!(apply_pairs(Options::default(), [("reuse_addresses", "maybe")]).is_err());
     }
 }

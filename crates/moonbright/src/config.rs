@@ -73,6 +73,11 @@ pub struct Options {
     /// Most pages the background mapper maps into the window in one step: smaller steps keep
     /// each step short, since the driver seems to serialise VMM calls across threads.
     pub window_refill_pages: u64,
+    /// Place new ranges at addresses an unmap batch has freed (best fit) before fresh ones at the
+    /// frontier. Both are mapped nowhere, so neither can have a stale translation; on an H200 the
+    /// recycled ones kept a TLB-bound kernel beside the allocation churn at 1.00x instead of
+    /// 1.05x, and made a cold map's set access cheaper (README, "Addresses").
+    pub reuse_addresses: bool,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,
     /// Limit on all virtual reservations together, as a multiple of the device's total memory.
@@ -99,6 +104,7 @@ impl Default for Options {
             prefetch_window_min: 0,
             prefetch_window_max: GIB,
             window_refill_pages: 8,
+            reuse_addresses: true,
             va_reserve_factor: 2,
             va_limit_factor: 16,
             validate: false,

@@ -234,6 +234,43 @@ fn release_unused_gives_memory_back(a: &Allocator) {
     assert_eq!(a.stats().mapped_bytes.current, 0);
 }
 
+/// A range unmapped by a batch gives its addresses to the next range that fits them, and the
+/// memory there works; with `reuse_addresses` off, new ranges go to the frontier instead. (No
+/// window here: a window hit would land elsewhere.)
+fn unmapped_addresses_are_reused(opts: Options) {
+    for reuse in [true, false] {
+        let o = Options {
+            reuse_addresses: reuse,
+            prefetch_window_min: 0,
+            prefetch_window_max: 0,
+            ..opts.clone()
+        };
+        let a = Allocator::new(o).unwrap();
+        let page = a.page_size();
+        let p = a.malloc(3 * page).unwrap();
+        let keep = a.malloc(5 * page).unwrap();
+        a.free(p).unwrap();
+        a.release_unused().unwrap(); // retires the cached range and unmaps it
+        assert_eq!(a.stats().mapped_bytes.current, 5 * page as u64);
+        let q = a.malloc(2 * page).unwrap();
+        let r = a.malloc(page).unwrap();
+        if reuse {
+            assert_eq!((q, r), (p, p + 2 * page as u64), "best fit in the unmapped range");
+        } else {
+            assert!(q > keep && r > q, "frontier: {q:#x} {r:#x} after {keep:#x}");
+        }
+        for (i, &(ptr, size)) in [(q, 2 * page), (r, page), (keep, 5 * page)].iter().enumerate() {
+            stamp(&a, ptr, size, i as u64).unwrap();
+        }
+        for (i, &(ptr, size)) in [(q, 2 * page), (r, page), (keep, 5 * page)].iter().enumerate() {
+            assert!(verify(&a, ptr, size, i as u64).unwrap(), "contents of allocation {i}");
+        }
+        for ptr in [q, r, keep] {
+            a.free(ptr).unwrap();
+        }
+    }
+}
+
 macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
@@ -285,6 +322,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::baseline_fails_fragmentation(o)
+                }
+            }
+            #[test]
+            fn unmapped_addresses_are_reused() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::unmapped_addresses_are_reused(o)
                 }
             }
             #[test]

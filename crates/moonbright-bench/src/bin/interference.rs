@@ -1,7 +1,8 @@
 //! Interference (issue 3, item 8): a TLB-bound random gather over tens of GiB and a streaming
 //! copy, each timed with CUDA events over many repetitions: alone; while MoonBright serves an
-//! allocation churn from another thread (malloc_async/free_async on its own stream); and while an
-//! eager baseline churns (maps fresh pages and unmaps each range as soon as it is freed, page by
+//! allocation churn from another thread (malloc_async/free_async on its own stream), with its
+//! default options and with `reuse_addresses` off (every new range at never-mapped addresses);
+//! and while an eager baseline churns (maps fresh pages and unmaps each range as soon as it is freed, page by
 //! page). Reports kernel p50/p99 and the slowdowns.
 
 use std::collections::BTreeMap;
@@ -219,13 +220,25 @@ fn pace(start: Instant, done: u64, rate: u64) {
 }
 
 fn mb_churn(gpu: &Gpu, a: &Args, stop: &AtomicBool) -> Res<ChurnReport> {
+    mb_churn_with(gpu, a, stop, true)
+}
+
+/// The same churn with `reuse_addresses` off: every new range at never-mapped addresses.
+fn mb_churn_fresh(gpu: &Gpu, a: &Args, stop: &AtomicBool) -> Res<ChurnReport> {
+    mb_churn_with(gpu, a, stop, false)
+}
+
+fn mb_churn_with(gpu: &Gpu, a: &Args, stop: &AtomicBool, reuse: bool) -> Res<ChurnReport> {
     gpu.make_current()?;
-    let opts = mb_options(
-        Some(a.churn_cap_gib * GIB),
-        moonbright_bench::max_chunk(),
-        moonbright_bench::default_window(),
-        true,
-    );
+    let opts = moonbright::Options {
+        reuse_addresses: reuse,
+        ..mb_options(
+            Some(a.churn_cap_gib * GIB),
+            moonbright_bench::max_chunk(),
+            moonbright_bench::default_window(),
+            true,
+        )
+    };
     let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
     let s = Stream::new(true)?;
     let mut g = ChurnGen { rng: ChaCha8Rng::seed_from_u64(11), live_max: a.churn_live_gib * GIB };
@@ -460,9 +473,10 @@ fn run() -> Res<()> {
     let s = Stream::new(true)?;
     let result = (|| {
         let mut conds: Vec<Condition> = vec![];
-        let runs: [(&str, Option<Churn>); 4] = [
+        let runs: [(&str, Option<Churn>); 5] = [
             ("alone", None),
             ("MoonBright churn", Some(mb_churn)),
+            ("MB fresh addresses", Some(mb_churn_fresh)),
             ("eager churn", Some(eager_churn)),
             ("alone (again)", None),
         ];

@@ -90,6 +90,8 @@ pub(crate) struct Limits {
     /// Pages of address space the window grows in at a time: at least the largest window, so
     /// the whole window can be one contiguous segment.
     pub window_slab_pages: u64,
+    /// New ranges go to recycled addresses before the frontier (`Options::reuse_addresses`).
+    pub reuse_addresses: bool,
 }
 
 /// What a request that missed every fast path needs next.
@@ -176,7 +178,7 @@ impl Heap {
         Heap {
             lim,
             pool: Pool::default(),
-            va: VaSpace::default(),
+            va: VaSpace::new(lim.reuse_addresses),
             sub: SubPage::default(),
             streams: Streams::default(),
             window: Window::new(lim.page),
