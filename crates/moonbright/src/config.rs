@@ -74,9 +74,9 @@ pub struct Options {
     /// each step short, since the driver seems to serialise VMM calls across threads.
     pub window_refill_pages: u64,
     /// Place new ranges at addresses an unmap batch has freed (best fit) before fresh ones at the
-    /// frontier. Both are mapped nowhere, so neither can have a stale translation; on an H200 the
+    /// frontier. Both are mapped nowhere, so neither can have a stale translation. On an H200 the
     /// recycled ones kept a TLB-bound kernel beside the allocation churn at 1.00x instead of
-    /// 1.05x, and made a cold map's set access cheaper (README, "Addresses").
+    /// 1.05x (README, interference).
     pub reuse_addresses: bool,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,

@@ -80,10 +80,10 @@ impl VaSpace {
     /// the frontier if it has room, else recycled addresses. `None` if neither has room.
     ///
     /// Recycled first is the default because of what the H200 measured
-    /// (`bench/results/h200-session6/`): a TLB-bound gather ran 1.002x-1.003x beside the
-    /// allocation churn with recycled addresses, 1.046x-1.048x with the frontier, and a cold 2 MiB
-    /// map's set access took 41 us against 56 us. Addresses never mapped before seem to cost the
-    /// driver new page tables.
+    /// (`bench/results/h200-session6/`): a TLB-bound gather ran 1.002x-1.004x beside the
+    /// allocation churn with recycled addresses and 1.046x-1.055x with the frontier, in six runs
+    /// of each. Mapping at addresses never mapped before seems to make the driver build new page
+    /// tables, which disturbs running kernels.
     pub fn take_fresh(&mut self, len: u64) -> Option<u64> {
         if self.reuse_first {
             if let Some(va) = self.take_recycled(len) {
