@@ -47,6 +47,10 @@ pub enum MbMode {
     /// at the frontier; `prepare` waits (untimed) until the mapper has refilled the window. Its
     /// free time is a no-op and not meaningful; its alloc time is.
     Window,
+    /// The same, but `prepare` waits until the window is full again, so the mapper is idle when
+    /// the request comes (a hit without a refill running beside it), and it spins instead of
+    /// sleeping, so the request does not pay for the thread's wake-up.
+    WindowIdle,
     /// No window, and `release_unused` before each repetition: every request creates and maps.
     Cold,
 }
@@ -61,6 +65,8 @@ pub struct Mb {
     next_window_size: u64,
     /// Window path: allocations kept live until the end (see `free`).
     held: Vec<u64>,
+    /// The window's size when the mapper has nothing left to do.
+    full_window: u64,
 }
 
 /// The window kept for requests of `size`: room for two of them, at least 1 GiB.
@@ -72,7 +78,7 @@ impl Mb {
     /// A fresh allocator for `mode` and requests of `size`.
     pub fn new(mode: MbMode, size: u64) -> Res<Mb> {
         let opts = match mode {
-            MbMode::Cache | MbMode::Window => {
+            MbMode::Cache | MbMode::Window | MbMode::WindowIdle => {
                 mb_options(None, crate::max_chunk(), (window_for(size), window_for(size)), true)
             }
             MbMode::Cold => mb_options(None, crate::max_chunk(), (0, 0), false),
@@ -93,6 +99,7 @@ impl Mb {
             refill,
             next_window_size: size.next_multiple_of(page),
             held: Vec::new(),
+            full_window: window_for(size).next_multiple_of(page),
         })
     }
 }
@@ -101,9 +108,13 @@ impl AllocPath for Mb {
     fn prepare(&mut self) -> Res<()> {
         match self.mode {
             MbMode::Cache => Ok(()),
-            MbMode::Window => {
-                // Wait (untimed) until the mapper has mapped room for the next request.
-                let need = self.next_window_size;
+            MbMode::Window | MbMode::WindowIdle => {
+                // Wait (untimed) until the mapper has mapped room for the next request, or
+                // (idle) refilled the whole window.
+                let need = match self.mode {
+                    MbMode::WindowIdle => self.full_window,
+                    _ => self.next_window_size,
+                };
                 let t = std::time::Instant::now();
                 while self.inner.stats().window_bytes.current < need {
                     if t.elapsed() > self.refill {
@@ -112,7 +123,12 @@ impl AllocPath for Mb {
                             self.refill
                         ));
                     }
-                    std::thread::sleep(Duration::from_micros(100));
+                    if self.mode == MbMode::WindowIdle {
+                        // No sleep: the timed request should not pay for waking up.
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
                 }
                 Ok(())
             }
@@ -131,7 +147,7 @@ impl AllocPath for Mb {
     }
 
     fn free(&mut self, ptr: u64) -> Res<()> {
-        if self.mode == MbMode::Window {
+        if matches!(self.mode, MbMode::Window | MbMode::WindowIdle) {
             // Kept live until the end: a freed range would be cached and serve the next request
             // as a cache hit, and the point here is a fresh range from the window each time.
             self.held.push(ptr);

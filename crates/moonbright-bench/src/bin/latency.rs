@@ -33,7 +33,14 @@ struct Args {
     /// Trials per path and size while the 50 ms kernel runs.
     #[arg(long, default_value_t = 3)]
     kernel_trials: usize,
+    /// Time window hits only once the mapper has refilled the whole window (it is idle), instead
+    /// of as soon as the next request fits (while it still refills).
+    #[arg(long)]
+    window_idle: bool,
 }
+
+/// `--window-idle`, for `PathKind::make`.
+static WINDOW_IDLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 const SIZES: [u64; 6] = [256, 64 * KIB, 2 * MIB, 64 * MIB, GIB, 8 * GIB];
 
@@ -90,7 +97,10 @@ impl PathKind {
     fn make(self, gpu: &Gpu, size: u64) -> Res<Box<dyn AllocPath>> {
         Ok(match self {
             PathKind::MbCache => Box::new(Mb::new(MbMode::Cache, size)?),
-            PathKind::MbWindow => Box::new(Mb::new(MbMode::Window, size)?),
+            PathKind::MbWindow => {
+                let idle = WINDOW_IDLE.load(std::sync::atomic::Ordering::Relaxed);
+                Box::new(Mb::new(if idle { MbMode::WindowIdle } else { MbMode::Window }, size)?)
+            }
             PathKind::MbCold => Box::new(Mb::new(MbMode::Cold, size)?),
             PathKind::CuMemAlloc => Box::new(CuMalloc),
             PathKind::CuMemAllocAsync => Box::new(CuAsync::new(gpu)?),
@@ -452,12 +462,14 @@ fn print_rows(rows: &[Row]) {
 
 fn run() -> Res<()> {
     let args = Args::parse();
+    WINDOW_IDLE.store(args.window_idle, std::sync::atomic::Ordering::Relaxed);
     let gpu = Gpu::open()?;
     println!(
-        "latency: {} ({} GiB), driver {}",
+        "latency: {} ({} GiB), driver {}{}",
         gpu.name,
         gpu.total_memory / GIB,
-        gpu.driver_version
+        gpu.driver_version,
+        if args.window_idle { "; window hits timed with the mapper idle" } else { "" }
     );
     let mut rows = vec![];
     for &size in &SIZES {

@@ -110,12 +110,11 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
     let big = args.reserve_gib * GIB;
     let mut rows = vec![];
     for size in [2 * MIB, 64 * MIB, GIB] {
+        // As many as fit twice in the reservation (the cases use two rounds of addresses).
         let reps = if size >= GIB { args.reps.min(40) } else { args.reps };
-        if reps as u64 * size * 2 > big {
-            return Err(format!(
-                "--reserve-gib {} is too small for {reps} x {size}",
-                args.reserve_gib
-            ));
+        let reps = reps.min((big / (2 * size)) as usize);
+        if reps == 0 {
+            return Err(format!("--reserve-gib {} is too small for {size}", args.reserve_gib));
         }
         let mut h = 0;
         let prop = gpu.alloc_prop();
@@ -170,7 +169,10 @@ fn main() -> ExitCode {
         let args = Args::parse();
         let gpu = Gpu::open()?;
         let rows = probe(&args, &gpu)?;
-        println!("{}: map / set access / unmap of one handle, p50 (p99) us", gpu.name);
+        println!(
+            "{}: map / set access / unmap of one handle, p50 (p99) us; reservation {} GiB",
+            gpu.name, args.reserve_gib
+        );
         println!("{:<16} {:>8} {:>16} {:>16} {:>16}", "case", "size", "map", "set access", "unmap");
         for r in &rows {
             let f = |s: &Summary| format!("{:.1} ({:.1})", s.p50, s.p99);
