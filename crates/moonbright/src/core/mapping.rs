@@ -151,6 +151,23 @@ pub(crate) fn unmap_runs(
     (runs.len(), None)
 }
 
+/// Unmaps every run, going on past failures (teardown: whatever can be unmapped is). Returns
+/// how many failed, and the first error.
+pub(crate) fn unmap_all(
+    driver: &dyn Driver,
+    runs: &[super::vaspace::UnmapRun],
+) -> (usize, Option<DriverError>) {
+    let mut failed = 0;
+    let mut first = None;
+    for run in runs {
+        if let Err(e) = driver.unmap(run.va, run.len as usize) {
+            failed += 1;
+            first.get_or_insert(e);
+        }
+    }
+    (failed, first)
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use std::cell::Cell;
@@ -188,5 +205,16 @@ mod tests {
         d.fail_nth(CallKind::Unmap, 2, None);
         let (done, err) = unmap_runs(&d, &runs, || between.set(between.get() + 1));
         assert_eq!((done, err.map(|e| e.call), between.get()), (1, Some(CallKind::Unmap), 1));
+    }
+
+    #[test]
+    fn unmap_all_goes_on_past_a_failure() {
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let d = Instrumented::new(HostDriver::new(cfg).unwrap());
+        let runs = three_runs(&d);
+        d.fail_nth(CallKind::Unmap, 1, None);
+        let (failed, err) = unmap_all(&d, &runs);
+        assert_eq!((failed, err.map(|e| e.call)), (1, Some(CallKind::Unmap)));
+        assert_eq!(d.inner().mapping_count(), 1, "the runs after the failed one are unmapped");
     }
 }

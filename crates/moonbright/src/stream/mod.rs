@@ -12,7 +12,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use crate::allocator::Backend;
 use crate::config::Options;
 use crate::core::heap::{Fast, Heap, RangeId, Step};
-use crate::core::mapping::{execute, unmap_runs, Executed, MapPlan};
+use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
 
@@ -374,11 +374,11 @@ impl Shared {
     pub fn teardown(&self) {
         let t = self.heap().teardown();
         let mut first_error: Option<DriverError> = None;
-        let (done, error) = unmap_runs(&self.driver, &t.runs, || {});
+        let (failed, error) = unmap_all(&self.driver, &t.runs);
         if let Some(e) = error {
             first_error.get_or_insert(e);
         }
-        let all_unmapped = done == t.runs.len();
+        let all_unmapped = failed == 0;
         for &h in &t.chunks {
             if let Err(e) = self.driver.release_chunk(h) {
                 first_error.get_or_insert(e);
