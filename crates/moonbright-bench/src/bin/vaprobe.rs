@@ -12,6 +12,8 @@
 //! - `same`: one address, mapped and unmapped over and over.
 //! - `own-reservation`: reserve, map, set access, unmap, free each time (the latency
 //!   benchmark's raw VMM).
+//! - `small-pool`: reservations of the handle's size made ahead of time, each mapped once.
+//! - `small-reused`: one such reservation, mapped and unmapped over and over.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -158,6 +160,24 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
             address_free(va, size)?;
         }
         rows.push(row("own-reservation", size, &t, &u));
+        // Reservations of the handle's size made ahead of time, each used once (a pool of them).
+        let pool: Vec<u64> = (0..reps).map(|_| reserve(size)).collect::<Res<_>>()?;
+        let (mut t, mut u) = (vec![], vec![]);
+        for &va in &pool {
+            t.push(vmm.map(va, size, h)?);
+            u.push(vmm.unmap(va, size)?);
+        }
+        rows.push(row("small-pool", size, &t, &u));
+        // One of them, mapped again and again.
+        let (mut t, mut u) = (vec![], vec![]);
+        for _ in 0..reps {
+            t.push(vmm.map(pool[0], size, h)?);
+            u.push(vmm.unmap(pool[0], size)?);
+        }
+        rows.push(row("small-reused", size, &t, &u));
+        for va in pool {
+            address_free(va, size)?;
+        }
         // SAFETY: `h` is mapped nowhere now.
         ck(unsafe { sys::cuMemRelease(h) }, "cuMemRelease")?;
     }
