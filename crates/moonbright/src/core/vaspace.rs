@@ -2,9 +2,9 @@
 //! addresses, retired ranges waiting for their batched unmap, and recycled addresses (unmapped, so
 //! no stale translation of them can exist either). New ranges go to recycled addresses first, best
 //! fit, when `reuse_first` is set (the default, `Options::reuse_addresses`), else to the frontier
-//! until it runs out. Growable allocations
-//! own *private* reservations: their retired tails are unmapped by the same batches, but their
-//! addresses go back to their owner, never to the recycled list. Pure bookkeeping.
+//! until it runs out. Growable allocations own *private* reservations: their retired tails are
+//! unmapped by the same batches, but their addresses go back to their owner, never to the
+//! recycled list. Pure bookkeeping.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -80,9 +80,9 @@ impl VaSpace {
     /// the frontier if it has room, else recycled addresses. `None` if neither has room.
     ///
     /// Recycled first is the default because of what the H200 measured
-    /// (`bench/results/h200-session6/`): a TLB-bound gather ran 1.002x-1.004x beside the
-    /// allocation churn with recycled addresses and 1.046x-1.055x with the frontier, in six runs
-    /// of each. Mapping at addresses never mapped before seems to make the driver build new page
+    /// (`bench/results/h200-session6/`): a TLB-bound gather ran 1.002x-1.005x beside the
+    /// allocation churn with recycled addresses and 1.046x-1.055x with the frontier, in seven
+    /// runs of each. Mapping at addresses never mapped before seems to make the driver build new page
     /// tables, which disturbs running kernels.
     pub fn take_fresh(&mut self, len: u64) -> Option<u64> {
         if self.reuse_first {
