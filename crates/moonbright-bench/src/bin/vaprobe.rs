@@ -14,6 +14,7 @@
 //!   benchmark's raw VMM).
 //! - `small-pool`: reservations of the handle's size made ahead of time, each mapped once.
 //! - `small-reused`: one such reservation, mapped and unmapped over and over.
+//! - `small-pool-again`: the pool's reservations once more, each unmapped a whole round before.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -175,6 +176,14 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
             u.push(vmm.unmap(pool[0], size)?);
         }
         rows.push(row("small-reused", size, &t, &u));
+        // All of them again, in the same order: each was unmapped a whole round ago (a pool
+        // reused round-robin, as unmap batches would leave it).
+        let (mut t, mut u) = (vec![], vec![]);
+        for &va in &pool {
+            t.push(vmm.map(va, size, h)?);
+            u.push(vmm.unmap(va, size)?);
+        }
+        rows.push(row("small-pool-again", size, &t, &u));
         for va in pool {
             address_free(va, size)?;
         }
