@@ -39,9 +39,6 @@ struct Args {
     window_idle: bool,
 }
 
-/// `--window-idle`, for `PathKind::make`.
-static WINDOW_IDLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 const SIZES: [u64; 6] = [256, 64 * KIB, 2 * MIB, 64 * MIB, GIB, 8 * GIB];
 
 /// (warm-up, timed) repetitions for a size.
@@ -94,12 +91,13 @@ impl PathKind {
         }
     }
 
-    fn make(self, gpu: &Gpu, size: u64) -> Res<Box<dyn AllocPath>> {
+    /// The path for requests of `size`; `window_idle`: see `Args::window_idle`.
+    fn make(self, gpu: &Gpu, size: u64, window_idle: bool) -> Res<Box<dyn AllocPath>> {
         Ok(match self {
             PathKind::MbCache => Box::new(Mb::new(MbMode::Cache, size)?),
             PathKind::MbWindow => {
-                let idle = WINDOW_IDLE.load(std::sync::atomic::Ordering::Relaxed);
-                Box::new(Mb::new(if idle { MbMode::WindowIdle } else { MbMode::Window }, size)?)
+                let mode = if window_idle { MbMode::WindowIdle } else { MbMode::Window };
+                Box::new(Mb::new(mode, size)?)
             }
             PathKind::MbCold => Box::new(Mb::new(MbMode::Cold, size)?),
             PathKind::CuMemAlloc => Box::new(CuMalloc),
@@ -144,13 +142,13 @@ fn map_calls(c: &moonbright::driver::CallCounts) -> u64 {
     c.get(CallKind::Create) + c.get(CallKind::Map) + c.get(CallKind::SetAccess)
 }
 
-fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool) -> Res<Row> {
+fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool) -> Res<Row> {
     // Hits of a warm pool cost the same at every size: they get the repetitions of the smallest
     // (8 samples of a sub-microsecond pair are too few for a median).
     let cheap = matches!(kind, PathKind::MbCache | PathKind::CuMemAllocAsync);
     let (warm, n) = reps(if cheap { 0 } else { size }, quick);
     let n = if kind == PathKind::RawVmmPages && size > GIB { n.min(3) } else { n };
-    let mut p = kind.make(gpu, size)?;
+    let mut p = kind.make(gpu, size, window_idle)?;
     for _ in 0..warm {
         p.prepare()?;
         let x = p.alloc(size)?;
@@ -228,7 +226,7 @@ fn during_kernel(
     let ks = Stream::new(true)?;
     let (e0, e1) =
         (moonbright_bench::cu::Event::new(true)?, moonbright_bench::cu::Event::new(true)?);
-    let mut p = kind.make(gpu, size)?;
+    let mut p = kind.make(gpu, size, false)?;
     // Warm the path (for the cache-hit path, the size is then cached).
     p.prepare()?;
     let x = p.alloc(size)?;
@@ -462,7 +460,6 @@ fn print_rows(rows: &[Row]) {
 
 fn run() -> Res<()> {
     let args = Args::parse();
-    WINDOW_IDLE.store(args.window_idle, std::sync::atomic::Ordering::Relaxed);
     let gpu = Gpu::open()?;
     println!(
         "latency: {} ({} GiB), driver {}{}",
@@ -478,7 +475,7 @@ fn run() -> Res<()> {
                 continue;
             }
             let t = Instant::now();
-            let row = measure(&gpu, k, size, args.quick)
+            let row = measure(&gpu, k, size, args.quick, args.window_idle)
                 .map_err(|e| format!("{} at {}: {e}", k.label(), human(size)))?;
             eprintln!(
                 "  {:>7} {:<24} pair p50 {:>10.2} us  ({:.1} s)",

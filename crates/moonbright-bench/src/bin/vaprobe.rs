@@ -71,6 +71,22 @@ impl Vmm {
         Ok(Times { map, access: us_since(t) })
     }
 
+    /// Maps the handle at each address in turn and unmaps it at once: one row of `case`.
+    fn cycle(
+        &self,
+        case: &'static str,
+        addrs: impl IntoIterator<Item = u64>,
+        size: u64,
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Res<Row> {
+        let (mut t, mut u) = (vec![], vec![]);
+        for va in addrs {
+            t.push(self.map(va, size, h)?);
+            u.push(self.unmap(va, size)?);
+        }
+        Ok(row(case, size, &t, &u))
+    }
+
     fn unmap(&self, va: u64, size: u64) -> Res<f64> {
         let t = Instant::now();
         // SAFETY: `[va, va + size)` is one mapping this program made; nothing uses it.
@@ -126,18 +142,8 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
         ck(r, "cuMemCreate")?;
         let base = reserve(big)?;
         let at = |i: usize| base + i as u64 * size;
-        let (mut t, mut u) = (vec![], vec![]);
-        for i in 0..reps {
-            t.push(vmm.map(at(i), size, h)?);
-            u.push(vmm.unmap(at(i), size)?);
-        }
-        rows.push(row("fresh", size, &t, &u));
-        let (mut t, mut u) = (vec![], vec![]);
-        for i in 0..reps {
-            t.push(vmm.map(at(i), size, h)?);
-            u.push(vmm.unmap(at(i), size)?);
-        }
-        rows.push(row("recycled", size, &t, &u));
+        rows.push(vmm.cycle("fresh", (0..reps).map(at), size, h)?);
+        rows.push(vmm.cycle("recycled", (0..reps).map(at), size, h)?);
         let (mut t, mut u) = (vec![], vec![]);
         for i in reps..2 * reps {
             t.push(vmm.map(at(i), size, h)?);
@@ -146,12 +152,7 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
             u.push(vmm.unmap(at(i), size)?);
         }
         rows.push(row("fresh-batched", size, &t, &u));
-        let (mut t, mut u) = (vec![], vec![]);
-        for _ in 0..reps {
-            t.push(vmm.map(base, size, h)?);
-            u.push(vmm.unmap(base, size)?);
-        }
-        rows.push(row("same", size, &t, &u));
+        rows.push(vmm.cycle("same", std::iter::repeat(base).take(reps), size, h)?);
         address_free(base, big)?;
         let (mut t, mut u) = (vec![], vec![]);
         for _ in 0..reps {
@@ -163,27 +164,12 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
         rows.push(row("own-reservation", size, &t, &u));
         // Reservations of the handle's size made ahead of time, each used once (a pool of them).
         let pool: Vec<u64> = (0..reps).map(|_| reserve(size)).collect::<Res<_>>()?;
-        let (mut t, mut u) = (vec![], vec![]);
-        for &va in &pool {
-            t.push(vmm.map(va, size, h)?);
-            u.push(vmm.unmap(va, size)?);
-        }
-        rows.push(row("small-pool", size, &t, &u));
+        rows.push(vmm.cycle("small-pool", pool.iter().copied(), size, h)?);
         // One of them, mapped again and again.
-        let (mut t, mut u) = (vec![], vec![]);
-        for _ in 0..reps {
-            t.push(vmm.map(pool[0], size, h)?);
-            u.push(vmm.unmap(pool[0], size)?);
-        }
-        rows.push(row("small-reused", size, &t, &u));
+        rows.push(vmm.cycle("small-reused", std::iter::repeat(pool[0]).take(reps), size, h)?);
         // All of them again, in the same order: each was unmapped a whole round ago (a pool
         // reused round-robin, as unmap batches would leave it).
-        let (mut t, mut u) = (vec![], vec![]);
-        for &va in &pool {
-            t.push(vmm.map(va, size, h)?);
-            u.push(vmm.unmap(va, size)?);
-        }
-        rows.push(row("small-pool-again", size, &t, &u));
+        rows.push(vmm.cycle("small-pool-again", pool.iter().copied(), size, h)?);
         for va in pool {
             address_free(va, size)?;
         }
