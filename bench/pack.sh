@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 target=${CARGO_TARGET_DIR:-target}
 cargo build --release -p moonbright-bench "$@"
 mkdir -p carry/bin
-for b in latency stress interference gpu_stress vaprobe; do
+for b in latency stress interference gpu_stress vaprobe hitprobe; do
   cp "$target/release/$b" carry/bin/
+  strip "carry/bin/$b" 2>/dev/null || true
 done
-strip carry/bin/latency carry/bin/stress carry/bin/interference carry/bin/gpu_stress carry/bin/vaprobe 2>/dev/null || true
 ls -la carry/bin
