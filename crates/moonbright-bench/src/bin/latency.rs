@@ -33,8 +33,8 @@ struct Args {
     /// Trials per path and size while the 50 ms kernel runs.
     #[arg(long, default_value_t = 3)]
     kernel_trials: usize,
-    /// Time window hits only once the mapper has refilled the whole window (it is idle), instead
-    /// of as soon as the next request fits (while it still refills).
+    /// Time the first window hit after the mapper has refilled the whole window and gone idle,
+    /// instead of the second of two hits in a row.
     #[arg(long)]
     window_idle: bool,
 }
@@ -466,7 +466,11 @@ fn run() -> Res<()> {
         gpu.name,
         gpu.total_memory / GIB,
         gpu.driver_version,
-        if args.window_idle { "; window hits timed with the mapper idle" } else { "" }
+        if args.window_idle {
+            "; window hits: the first after the mapper went idle"
+        } else {
+            "; window hits: the second of two in a row"
+        }
     );
     let mut rows = vec![];
     for &size in &SIZES {

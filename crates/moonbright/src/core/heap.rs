@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
+use super::chunks::Chunks;
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
 use super::mapping::{Executed, MapPlan};
 use super::pool::{chunk_plan, ChunkId, Pool};
@@ -47,7 +48,7 @@ enum Use {
 struct Range {
     va: u64,
     pages: u64,
-    chunks: Vec<ChunkId>,
+    chunks: Chunks,
     use_: Use,
 }
 
@@ -687,7 +688,12 @@ impl Heap {
                 got.extend(range.chunks.iter().copied());
                 same_stream.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
                 self.stats.cached_ranges_stolen += 1;
-                self.retire_after(range.va, self.bytes(p), range.chunks, Some((stream, epoch)));
+                self.retire_after(
+                    range.va,
+                    self.bytes(p),
+                    range.chunks.into_vec(),
+                    Some((stream, epoch)),
+                );
                 continue;
             }
             // A larger pending range of the stream's own, with a chunk that fits: break it up.
@@ -757,7 +763,12 @@ impl Heap {
         let range = self.remove_range(id);
         self.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
         self.stats.cached_ranges_stolen += 1;
-        self.retire_after(range.va, self.bytes(pages), range.chunks, Some((stream, epoch)));
+        self.retire_after(
+            range.va,
+            self.bytes(pages),
+            range.chunks.into_vec(),
+            Some((stream, epoch)),
+        );
         true
     }
 
@@ -809,7 +820,7 @@ impl Heap {
     pub fn commit(&mut self, plan: MapPlan, ex: Executed) -> Result<RangeId> {
         let (va, pages) = (plan.va, plan.len / self.lim.page);
         let chunks = self.commit_mapping(plan, ex)?;
-        Ok(self.add_range(va, pages, chunks, Use::Alloc))
+        Ok(self.add_range(va, pages, chunks.into(), Use::Alloc))
     }
 
     /// Commits an executed plan's driver effects: on success the chunks now mapped at
@@ -889,7 +900,7 @@ impl Heap {
         self.pool.insert(handle, pages)
     }
 
-    fn add_range(&mut self, va: u64, pages: u64, chunks: Vec<ChunkId>, use_: Use) -> RangeId {
+    fn add_range(&mut self, va: u64, pages: u64, chunks: Chunks, use_: Use) -> RangeId {
         let range = Range { va, pages, chunks, use_ };
         let id = match self.free_range_ids.pop() {
             Some(id) => {
@@ -951,12 +962,12 @@ impl Heap {
     fn steal_cached(&mut self, seq: u64) {
         let id = self.uncache(seq);
         let range = self.remove_range(id);
-        for &c in &range.chunks {
+        for &c in range.chunks.iter() {
             self.pool.put_bare(c);
         }
         self.stats.cached_ranges_stolen += 1;
         let len = self.bytes(range.pages);
-        self.retire(range.va, len, range.chunks);
+        self.retire(range.va, len, range.chunks.into_vec());
     }
 
     /// Takes up to `pages` pages back from the window's tail: bare chunks, retired addresses.
@@ -1051,7 +1062,7 @@ impl Heap {
         let id = self.commit(plan, ex)?;
         let range = self.remove_range(id);
         self.stats.window_bytes.add(self.bytes(range.pages));
-        self.window.add(range.va, range.chunks);
+        self.window.add(range.va, range.chunks.into_vec());
         Ok(())
     }
 
@@ -1185,7 +1196,7 @@ impl Heap {
         for id in ids {
             let r = self.remove_range(id);
             let len = self.bytes(r.pages);
-            self.retire(r.va, len, r.chunks);
+            self.retire(r.va, len, r.chunks.into_vec());
         }
         for (va, chunks) in self.window.drain() {
             let len = self.bytes(chunks.len() as u64);
@@ -1297,7 +1308,7 @@ impl Heap {
                     r.va, r.pages
                 ));
             }
-            for &c in &r.chunks {
+            for &c in r.chunks.iter() {
                 *owners.entry(c).or_default() += 1;
                 *maps.entry(c).or_default() += 1;
             }
@@ -1363,7 +1374,7 @@ impl Heap {
             spans.push((va, len, "in flight"));
         }
         for r in self.va.retired() {
-            for &c in &r.chunks {
+            for &c in r.chunks.iter() {
                 *maps.entry(c).or_default() += 1;
             }
             spans.push((r.va, r.len, "retired"));

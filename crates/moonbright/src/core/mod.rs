@@ -1,6 +1,7 @@
 //! The allocator core: the physical chunk pool, the virtual-address space, the sub-page allocator,
 //! statistics, and the heap that ties them together and holds every policy.
 
+pub(crate) mod chunks;
 pub(crate) mod heap;
 pub mod history;
 pub(crate) mod mapping;
