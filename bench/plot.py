@@ -4,7 +4,7 @@
   latency.png      alloc+free p50 and p99 by size, one line per allocator path (from latency's
                    JSON and torch_latency's JSON files)
   latency_kernel.png  alloc and free time while a 50 ms kernel runs, by size and path
-  chunks.png       set-access/map calls per GiB and alloc time, 64 MiB chunks against 2 MiB pages
+  chunks.png       set-access/map calls per GiB and alloc time, 1 GiB and 64 MiB chunks against 2 MiB pages
   stress.png       peak reserved / peak requested and alloc p99 per allocator (stress JSON files)
   interference.png kernel slowdown p50/p99 per condition
 

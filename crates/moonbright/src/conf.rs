@@ -26,6 +26,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("host_page_size", "bytes: a power of two from 4KiB to 1GiB"),
     ("host_capacity", "bytes of simulated memory for the host backend"),
     ("max_chunk", "bytes: a power of two of at most 64GiB"),
+    (
+        "large_chunk",
+        "bytes: a power of two of at most 64GiB; needs this large use chunks this large",
+    ),
     ("unmap_batch", "retired ranges that trigger an unmap batch, 1 or more"),
     ("unmap_batch_bytes", "retired bytes that trigger an unmap batch"),
     ("unmap_run_handles", "chunk mappings one unmap call covers at most, 0 for no limit"),
@@ -141,6 +145,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.max_chunk_bytes = b;
         }
+        "large_chunk" => {
+            let b = bytes()?;
+            if !b.is_power_of_two() || b > 64 << 30 {
+                return Err(bad(name, v));
+            }
+            opts.large_chunk_bytes = b;
+        }
         "unmap_batch" => {
             let n: usize = v.parse().map_err(|_| bad(name, v))?;
             if n == 0 {
@@ -246,8 +257,8 @@ mod tests {
     fn every_key_parses() {
         let o = parse_conf(
             "backend:host, device:1, cap:12GiB, cap_fraction:0.5, host_page_size:64KiB, \
-             host_capacity:1GB, max_chunk:8MiB, unmap_batch:7, unmap_batch_bytes:1MB, \
-             validate:true",
+             host_capacity:1GB, max_chunk:8MiB, large_chunk:256MiB, unmap_batch:7, \
+             unmap_batch_bytes:1MB, validate:true",
         )
         .unwrap();
         assert_eq!(o.backend, BackendKind::Host);
@@ -257,6 +268,7 @@ mod tests {
         assert_eq!(o.host_page_size, 64 << 10);
         assert_eq!(o.host_capacity, 1_000_000_000);
         assert_eq!(o.max_chunk_bytes, 8 << 20);
+        assert_eq!(o.large_chunk_bytes, 256 << 20);
         assert_eq!(o.unmap_batch_ranges, 7);
         assert_eq!(o.unmap_batch_bytes, 1_000_000);
         assert!(o.validate);
@@ -297,6 +309,7 @@ mod tests {
             ("cap_fraction:nan", "cap_fraction", "(0, 1]"),
             ("host_page_size:3000", "host_page_size", "power of two"),
             ("max_chunk:3MiB", "max_chunk", "power of two"),
+            ("large_chunk:3MiB", "large_chunk", "power of two"),
             ("unmap_batch:0", "unmap_batch", "1 or more"),
             ("unmap_batch_bytes:x", "unmap_batch_bytes", "bytes"),
             ("validate:maybe", "validate", "true or false"),

@@ -51,6 +51,12 @@ pub struct Options {
     /// Largest physical chunk in bytes (a power-of-two multiple of the page). Larger chunks cut
     /// set-access and unmap calls, which cost per handle; 2 MiB pages keep stitching free.
     pub max_chunk_bytes: u64,
+    /// A request that must create at least this many bytes of new memory creates it in chunks
+    /// of up to this size instead of `max_chunk_bytes`: a cold 1 GiB allocation maps one handle
+    /// instead of 16. Smaller needs, and growable allocations, keep `max_chunk_bytes`, so
+    /// stitching keeps its freedom below it. A power of two of at most 64 GiB; at or below
+    /// `max_chunk_bytes` it changes nothing.
+    pub large_chunk_bytes: u64,
     /// Retired ranges that trigger an unmap batch.
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
@@ -96,6 +102,7 @@ impl Default for Options {
             host_page_size: 2 * MIB as usize,
             host_capacity: 64 * GIB,
             max_chunk_bytes: 64 * MIB,
+            large_chunk_bytes: GIB,
             unmap_batch_ranges: 256,
             unmap_run_handles: 32,
             unmap_batch_bytes: 8 * GIB,
@@ -157,6 +164,12 @@ impl Options {
             return bad(
                 "max_chunk_bytes",
                 format!("{} is not a power of two of at most 64 GiB", self.max_chunk_bytes),
+            );
+        }
+        if !self.large_chunk_bytes.is_power_of_two() || self.large_chunk_bytes > 64 * GIB {
+            return bad(
+                "large_chunk_bytes",
+                format!("{} is not a power of two of at most 64 GiB", self.large_chunk_bytes),
             );
         }
         if self.unmap_batch_ranges == 0 {

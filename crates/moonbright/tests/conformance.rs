@@ -271,6 +271,61 @@ fn unmapped_addresses_are_reused(opts: Options) {
     }
 }
 
+/// A need of `large_chunk` or more creates chunks that large (one handle where `max_chunk` would
+/// take several); smaller needs and growables keep `max_chunk`; a large chunk still splits when a
+/// small request needs its memory, and no contents are lost on the way.
+fn large_needs_use_large_chunks(opts: Options) {
+    let max = opts.max_chunk_bytes as usize;
+    let large = 4 * max;
+    let o = Options {
+        large_chunk_bytes: large as u64,
+        cap_bytes: Some((2 * large + 2 * max) as u64),
+        cap_fraction: 1.0,
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let page = a.page_size();
+    let chunks = |a: &Allocator| a.stats().chunks.current;
+    let p = a.malloc(large + max).unwrap();
+    assert_eq!(chunks(&a), 2, "one large chunk and one of max_chunk");
+    let q = a.malloc(large - page).unwrap();
+    assert_eq!(chunks(&a), 2 + 4, "below large_chunk: chunks of max_chunk");
+    stamp(&a, p, large + max, 1).unwrap();
+    stamp(&a, q, large - page, 2).unwrap();
+    a.free(q).unwrap();
+    a.release_unused().unwrap();
+    assert_eq!(chunks(&a), 2);
+    let g = a.reserve_growable(2 * large).unwrap();
+    a.resize(g, large).unwrap();
+    assert_eq!(chunks(&a), 2 + 4, "a growable grows by chunks of max_chunk");
+    a.free(g).unwrap();
+    a.release_unused().unwrap();
+    a.free(p).unwrap();
+    a.release_unused().unwrap();
+    assert_eq!(chunks(&a), 0);
+    // Fill the cap with a large chunk of its own and one more range; once that chunk is free, a
+    // one-page request can only split it.
+    let x = a.malloc(large).unwrap();
+    let fill = a.malloc(large + 2 * max).unwrap();
+    assert_eq!(chunks(&a), 3);
+    stamp(&a, fill, large + 2 * max, 5).unwrap();
+    a.free(x).unwrap();
+    let small = a.malloc(page).unwrap();
+    let rest = a.malloc(large - page).unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, (2 * large + 2 * max) as u64, "at the cap");
+    assert_eq!(chunks(&a), 2 + 1 + 4, "the large chunk became a page and max_chunk pieces");
+    stamp(&a, small, page, 3).unwrap();
+    stamp(&a, rest, large - page, 4).unwrap();
+    assert!(verify(&a, small, page, 3).unwrap());
+    assert!(verify(&a, rest, large - page, 4).unwrap());
+    assert!(verify(&a, fill, large + 2 * max, 5).unwrap());
+    for ptr in [small, rest, fill] {
+        a.free(ptr).unwrap();
+    }
+}
+
 macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
@@ -329,6 +384,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::unmapped_addresses_are_reused(o)
+                }
+            }
+            #[test]
+            fn large_needs_use_large_chunks() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::large_needs_use_large_chunks(o)
                 }
             }
             #[test]

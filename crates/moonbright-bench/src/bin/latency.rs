@@ -275,7 +275,8 @@ struct ChunkRow {
     per_gib: BTreeMap<String, f64>,
 }
 
-/// Set-access and unmap calls per GiB, and time, for 64 MiB chunks against 2 MiB pages.
+/// Set-access and unmap calls per GiB, and time, with chunks of at most `max_chunk` (also the
+/// `large_chunk` size, so that one limit holds for every need): 1 GiB, 64 MiB, 2 MiB pages.
 fn chunks(size: u64, max_chunk: u64, quick: bool) -> Res<ChunkRow> {
     let n = if quick {
         2
@@ -284,7 +285,11 @@ fn chunks(size: u64, max_chunk: u64, quick: bool) -> Res<ChunkRow> {
     } else {
         5
     };
-    let mut mb = Mb::with_options(MbMode::Cold, size, mb_options(None, max_chunk, (0, 0), false))?;
+    let opts = moonbright::Options {
+        large_chunk_bytes: max_chunk,
+        ..mb_options(None, max_chunk, (0, 0), false)
+    };
+    let mut mb = Mb::with_options(MbMode::Cold, size, opts)?;
     let (mut a, mut f, mut r) = (vec![], vec![], vec![]);
     let mut total = moonbright::driver::CallCounts::default();
     for i in 0..=n {
@@ -535,7 +540,7 @@ fn run() -> Res<()> {
     let mut chunk_rows = vec![];
     if !args.no_chunks {
         for size in [GIB, 8 * GIB] {
-            for mc in [64 * MIB, 2 * MIB] {
+            for mc in [GIB, 64 * MIB, 2 * MIB] {
                 chunk_rows.push(chunks(size, mc, args.quick)?);
             }
         }

@@ -76,6 +76,9 @@ pub(crate) struct Limits {
     pub cap: u64,
     /// Largest chunk, in pages.
     pub max_chunk_pages: u64,
+    /// Largest chunk a new range creates when it needs at least this many new pages (at least
+    /// `max_chunk_pages`).
+    pub large_chunk_pages: u64,
     /// Size of each virtual reservation.
     pub reserve_bytes: u64,
     /// Limit on all reservations together.
@@ -628,13 +631,14 @@ impl Heap {
             }
             return Step::Reserve(size);
         };
-        self.plan_at(va, pages, requested, stream)
+        self.plan_at(va, pages, requested, stream, true)
     }
 
     /// Plans `pages` pages of chunks mapped at `va` (fresh addresses, or a growable allocation's
     /// tail), claiming what it uses. If the plan cannot go ahead, `va` is recycled (a no-op for
-    /// a growable's private addresses, which stay with it).
-    fn plan_at(&mut self, va: u64, pages: u64, requested: u64, stream: u64) -> Step {
+    /// a growable's private addresses, which stay with it). `large`: new memory may come in
+    /// chunks up to `large_chunk_pages` (not for growables, which shrink by whole chunks).
+    fn plan_at(&mut self, va: u64, pages: u64, requested: u64, stream: u64, large: bool) -> Step {
         let len = self.bytes(pages);
         let mut got: Vec<ChunkId> = Vec::new();
         let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
@@ -707,12 +711,18 @@ impl Heap {
         let mut release = Vec::new();
         let mut create = Vec::new();
         let mut spare = Vec::new();
+        // A need this large costs one handle per chunk either way: fewer, larger chunks.
+        let cap = if large && left >= self.lim.large_chunk_pages {
+            self.lim.large_chunk_pages
+        } else {
+            self.lim.max_chunk_pages
+        };
         if left > 0 && self.pool.has_bare_larger_than(left) {
             match self.pool.take_unmapped_bare_larger_than(left) {
                 Some(c) => {
                     let chunk = self.pool.get(c);
                     release.push((c, chunk.handle, chunk.pages));
-                    create = chunk_plan(left, self.lim.max_chunk_pages);
+                    create = chunk_plan(left, cap);
                     spare = chunk_plan(chunk.pages - left, self.lim.max_chunk_pages);
                     left = 0;
                 }
@@ -732,7 +742,7 @@ impl Heap {
                 self.va.recycle(va, len);
                 return Step::OutOfMemory(self.out_of_memory(requested, left));
             }
-            create = chunk_plan(left, self.lim.max_chunk_pages);
+            create = chunk_plan(left, cap);
         }
         let step = self.claim(va, len, got, release, create, spare);
         if let Step::Map(plan) = &step {

@@ -136,7 +136,7 @@ impl Heap {
         if free < need {
             return Ok(Resize::OutOfMemory(self.out_of_memory(need_len, need - free)));
         }
-        Ok(match self.plan_at(va, need, need_len, s) {
+        Ok(match self.plan_at(va, need, need_len, s, false) {
             Step::Map(plan) => {
                 self.growables.get_mut(&ptr).expect("checked above").plan = Some(plan.id);
                 Resize::Map(plan)
