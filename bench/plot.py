@@ -97,8 +97,8 @@ def main():
         written.append("latency_kernel.png")
 
     if chunks:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        names = [f"{size_name(c['size'])}\n{size_name(c['max_chunk_bytes'])} chunks" for c in chunks]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        names = [f"{size_name(c['size'])}\nchunks of\n{size_name(c['max_chunk_bytes'])}" for c in chunks]
         x = range(len(chunks))
         axes[0].bar([i - 0.2 for i in x], [c["per_gib"].get("map", 0) for c in chunks], 0.4,
                     label="handles mapped (map calls) / GiB")
@@ -113,6 +113,7 @@ def main():
         axes[1].bar([i + 0.2 for i in x], [c["release_us"]["p50"] / 1e3 for c in chunks], 0.4,
                     label="unmap + release p50")
         axes[1].set_xticks(list(x), names)
+        axes[1].set_yscale("log")
         axes[1].set_ylabel("ms")
         axes[1].legend(fontsize=8)
         axes[1].set_title("time")
