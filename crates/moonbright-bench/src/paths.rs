@@ -55,6 +55,10 @@ pub enum MbMode {
     WindowIdle,
     /// No window, and `release_unused` before each repetition: every request creates and maps.
     Cold,
+    /// The same beside one live one-page allocation, made first and kept to the end: the cold
+    /// range is not the only mapping in its part of the address space (no allocator in use is
+    /// ever empty; `vaprobe`'s `same-beside-live` times what that changes in the driver).
+    ColdBesideLive,
 }
 
 /// MoonBright through `malloc_async` / `free_async` on one stream.
@@ -87,7 +91,9 @@ impl Mb {
             MbMode::Cache | MbMode::Window | MbMode::WindowIdle => {
                 mb_options(None, crate::max_chunk(), (window_for(size), window_for(size)), true)
             }
-            MbMode::Cold => mb_options(None, crate::max_chunk(), (0, 0), false),
+            MbMode::Cold | MbMode::ColdBesideLive => {
+                mb_options(None, crate::max_chunk(), (0, 0), false)
+            }
         };
         Mb::with_options(mode, size, opts)
     }
@@ -98,13 +104,17 @@ impl Mb {
         let page = alloc.page_size() as u64;
         // The longest to wait for the mapper to refill: generous, about 100 µs per 2 MiB page.
         let refill = Duration::from_micros(2_000_000 + window_for(size) / (2 * MIB) * 100);
+        let mut held = Vec::new();
+        if mode == MbMode::ColdBesideLive {
+            held.push(alloc.malloc(page as usize).map_err(|e| format!("malloc({page}): {e}"))?);
+        }
         Ok(Mb {
             inner: alloc,
             stream: Stream::new(true)?,
             mode,
             refill,
             next_window_size: size.next_multiple_of(page),
-            held: Vec::new(),
+            held,
             full_window: window_for(size).next_multiple_of(page),
         })
     }
@@ -154,7 +164,7 @@ impl AllocPath for Mb {
                 }
                 Ok(())
             }
-            MbMode::Cold => {
+            MbMode::Cold | MbMode::ColdBesideLive => {
                 self.stream.sync()?;
                 self.inner.release_unused().map_err(|e| format!("release_unused: {e}"))?;
                 Ok(())

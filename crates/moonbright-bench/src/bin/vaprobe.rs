@@ -10,6 +10,8 @@
 //! - `recycled`: the addresses of `fresh`, mapped and unmapped before (MoonBright's recycled
 //!   addresses).
 //! - `same`: one address, mapped and unmapped over and over.
+//! - `same-beside-live`, `same-far-live`: the same while a 2 MiB mapping stays right after the
+//!   address, or 4 GiB away; at 2 MiB also `live-...-away` at distances in between.
 //! - `own-reservation`: reserve, map, set access, unmap, free each time (the latency
 //!   benchmark's raw VMM).
 //! - `small-pool`: reservations of the handle's size made ahead of time, each mapped once.
@@ -141,6 +143,12 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
         let r = unsafe { sys::cuMemCreate(&mut h, size as usize, &prop, 0) };
         ck(r, "cuMemCreate")?;
         let base = reserve(big)?;
+        if size == 2 * MIB {
+            println!(
+                "reservation base {base:#x}: aligned to {} MiB",
+                (1u64 << base.trailing_zeros()) / MIB
+            );
+        }
         let at = |i: usize| base + i as u64 * size;
         rows.push(vmm.cycle("fresh", (0..reps).map(at), size, h)?);
         rows.push(vmm.cycle("recycled", (0..reps).map(at), size, h)?);
@@ -153,6 +161,28 @@ fn probe(args: &Args, gpu: &Gpu) -> Res<Vec<Row>> {
         }
         rows.push(row("fresh-batched", size, &t, &u));
         rows.push(vmm.cycle("same", std::iter::repeat(base).take(reps), size, h)?);
+        // The same with a 2 MiB handle kept mapped right after the address, or 4 GiB away: does a
+        // live mapping nearby keep the driver's cost down?
+        let mut n = 0;
+        // SAFETY: valid out-pointer and a fully initialised property struct.
+        ck(unsafe { sys::cuMemCreate(&mut n, 2 * MIB as usize, &prop, 0) }, "cuMemCreate")?;
+        let mut near = vec![("same-beside-live", size), ("same-far-live", 4 * GIB.max(size))];
+        if size == 2 * MIB {
+            // How far a live mapping helps: from the address's own 2 MiB neighbour outwards.
+            near.extend([
+                ("live-64MiB-away", 64 * MIB),
+                ("live-256MiB-away", 256 * MIB),
+                ("live-1022MiB-away", 1022 * MIB),
+                ("live-2GiB-away", 2 * GIB),
+            ]);
+        }
+        for (case, off) in near {
+            vmm.map(base + off, 2 * MIB, n)?;
+            rows.push(vmm.cycle(case, std::iter::repeat(base).take(reps), size, h)?);
+            vmm.unmap(base + off, 2 * MIB)?;
+        }
+        // SAFETY: `n` is mapped nowhere now.
+        ck(unsafe { sys::cuMemRelease(n) }, "cuMemRelease")?;
         address_free(base, big)?;
         let (mut t, mut u) = (vec![], vec![]);
         for _ in 0..reps {
