@@ -1069,10 +1069,12 @@ impl Heap {
 
     /// Commits a window refill: the pages join the window.
     pub fn commit_window(&mut self, plan: MapPlan, ex: Executed) -> Result<()> {
-        let id = self.commit(plan, ex)?;
-        let range = self.remove_range(id);
-        self.stats.window_bytes.add(self.bytes(range.pages));
-        self.window.add(range.va, range.chunks.into_vec());
+        // Straight into the window, never a range: the range table and the address index are
+        // what a window hit writes next, and the mapper's thread should leave them alone.
+        let (va, pages) = (plan.va, plan.len / self.lim.page);
+        let chunks = self.commit_mapping(plan, ex)?;
+        self.stats.window_bytes.add(self.bytes(pages));
+        self.window.add(va, chunks);
         Ok(())
     }
 
