@@ -88,7 +88,10 @@ impl Mb {
     /// A fresh allocator for `mode` and requests of `size`.
     pub fn new(mode: MbMode, size: u64) -> Res<Mb> {
         let opts = match mode {
-            MbMode::Cache | MbMode::Window | MbMode::WindowIdle => {
+            // The default window: it grows with fresh demand, and a run of cache hits has none,
+            // so the mapper stays idle as in any steady state.
+            MbMode::Cache => mb_options(None, crate::max_chunk(), crate::default_window(), true),
+            MbMode::Window | MbMode::WindowIdle => {
                 mb_options(None, crate::max_chunk(), (window_for(size), window_for(size)), true)
             }
             MbMode::Cold | MbMode::ColdBesideLive => {
@@ -100,8 +103,16 @@ impl Mb {
 
     /// A fresh allocator with explicit options.
     pub fn with_options(mode: MbMode, size: u64, opts: moonbright::Options) -> Res<Mb> {
+        let background = opts.background;
         let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
         let page = alloc.page_size() as u64;
+        if background {
+            // Let the worker make its first stock of events, as a long-lived allocator has one.
+            let t = std::time::Instant::now();
+            while alloc.stats().events_stocked == 0 && t.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
         // The longest to wait for the mapper to refill: generous, about 100 µs per 2 MiB page.
         let refill = Duration::from_micros(2_000_000 + window_for(size) / (2 * MIB) * 100);
         let mut held = Vec::new();

@@ -390,6 +390,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
     for (name, v) in [
         ("cache_hits", s.cache_hits),
         ("window_hits", s.window_hits),
+        ("events_stocked", s.events_stocked),
         ("request_maps", s.request_maps),
         ("request_mapped_handles", s.request_mapped_handles),
         ("subpage_allocations", s.subpage_allocations),

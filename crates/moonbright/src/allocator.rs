@@ -301,7 +301,10 @@ impl Allocator {
 
     /// A snapshot of the statistics.
     pub fn stats(&self) -> Stats {
-        let mut s = self.shared.heap().stats().clone();
+        let heap = self.shared.heap();
+        let mut s = heap.stats().clone();
+        s.events_stocked = heap.events_stocked() as u64;
+        drop(heap);
         s.driver_calls = self.shared.driver.counts();
         s
     }

@@ -158,6 +158,24 @@ fn the_worker_completes_frees_and_unmaps_in_batches() {
     a.check_invariants().unwrap();
 }
 
+/// The worker keeps events created ahead of need: a burst of frees records them and creates
+/// none on its own path.
+#[test]
+fn a_burst_of_frees_records_stocked_events_without_creating_any() {
+    let a = Allocator::new(Options { prefetch_window_max: 0, ..opts(true) }).unwrap();
+    let s = streams(&a, 1)[0];
+    let created = || a.stats().driver_calls.get(CallKind::EventCreate);
+    eventually("the event stock", || created() >= 256);
+    let (c0, r0) = (created(), a.stats().driver_calls.get(CallKind::EventRecord));
+    let ptrs: Vec<u64> = (0..100).map(|_| a.malloc_async(1000, s).unwrap()).collect();
+    for p in ptrs {
+        a.free_async(p, s).unwrap();
+    }
+    assert_eq!(created(), c0, "a free created an event while the stock had some");
+    assert!(a.stats().driver_calls.get(CallKind::EventRecord) >= r0 + 100);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn the_window_serves_new_sizes_without_mapping() {
     let a = Allocator::new(Options {

@@ -171,6 +171,9 @@ pub(crate) struct Heap {
     fresh_pages: u64,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
     last_request_map: Option<std::time::Instant>,
+    /// Events the background worker created ahead of need, for frees on any stream that has no
+    /// spare event of its own, so that a burst of frees records events without creating them.
+    event_stock: Vec<EventHandle>,
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
@@ -210,6 +213,7 @@ impl Heap {
             growables: BTreeMap::new(),
             fresh_pages: 0,
             last_request_map: None,
+            event_stock: Vec::new(),
             stats: Stats::default(),
             deferred_error: None,
             history: None,
@@ -462,7 +466,27 @@ impl Heap {
             }
         };
         let epoch = self.streams.push(stream, what);
-        Ok((epoch, self.streams.entry(stream).spare_event()))
+        let spare = self.streams.entry(stream).spare_event().or_else(|| self.event_stock.pop());
+        Ok((epoch, spare))
+    }
+
+    /// How many events the stock lacks, once it is down to half of `target` (0 otherwise).
+    pub fn event_stock_wanted(&self, target: usize) -> usize {
+        if self.event_stock.len() <= target / 2 {
+            target - self.event_stock.len()
+        } else {
+            0
+        }
+    }
+
+    /// Events in the stock.
+    pub fn events_stocked(&self) -> usize {
+        self.event_stock.len()
+    }
+
+    /// Adds events created ahead of need to the stock.
+    pub fn stock_events(&mut self, events: Vec<EventHandle>) {
+        self.event_stock.extend(events);
     }
 
     /// Notes that `event` was recorded on `stream` after the free of `epoch`.
@@ -481,7 +505,7 @@ impl Heap {
         for (s, f) in self.streams.iter_mut() {
             if f.needs_event() {
                 let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-                out.push((s, epoch, f.spare_event()));
+                out.push((s, epoch, f.spare_event().or_else(|| self.event_stock.pop())));
             }
         }
         out
@@ -1224,7 +1248,12 @@ impl Heap {
         let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
         let mut reservations = self.va.reservations().to_vec();
         reservations.extend(growables.values().map(|g| (g.base, g.capacity)));
-        let events = self.streams.iter().flat_map(|(_, f)| f.all_events()).collect();
+        let events = self
+            .streams
+            .iter()
+            .flat_map(|(_, f)| f.all_events())
+            .chain(self.event_stock.drain(..))
+            .collect();
         *self = Heap::new(self.lim);
         Teardown { leaked, runs, chunks, reservations, events }
     }

@@ -72,6 +72,8 @@ pub struct Stats {
     pub window_hits: u64,
     /// Allocations served from a sub-page arena.
     pub subpage_allocations: u64,
+    /// Events the background worker has created ahead of need and no free has taken yet.
+    pub events_stocked: u64,
     /// Allocation requests that mapped a range of their own, synchronously (every other request
     /// of a page or more was a cache or window hit). Growable resizes are not counted here.
     pub request_maps: u64,

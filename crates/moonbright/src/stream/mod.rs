@@ -259,6 +259,25 @@ impl Shared {
         }
     }
 
+    /// Tops the stock of events up to `target` once it is down to half, creating them here, off
+    /// any request's path: a free records a stocked event when its stream has no spare one of its
+    /// own, instead of creating one. A failed creation ends this top-up and is not reported: the
+    /// stock is only a shortcut, and a free that finds it empty creates its event itself (and
+    /// reports that failure).
+    pub fn stock_events(&self, target: usize) {
+        let want = self.heap().event_stock_wanted(target);
+        let mut made = Vec::with_capacity(want);
+        for _ in 0..want {
+            match self.driver.create_event() {
+                Ok(e) => made.push(e),
+                Err(_) => break,
+            }
+        }
+        if !made.is_empty() {
+            self.heap().stock_events(made);
+        }
+    }
+
     /// Queries every recorded event and frees what the completed ones cover. Returns whether
     /// anything completed. Safe to run from several threads at once: a completion that another
     /// thread already applied changes nothing.

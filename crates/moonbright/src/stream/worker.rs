@@ -1,6 +1,7 @@
 //! The background worker: records events for stream frees and polls them, unmaps retired ranges
 //! in batches (away from the mapping of new ranges, which is what keeps running kernels
-//! undisturbed), and keeps the mapped window filled to a size taken from recent demand.
+//! undisturbed), keeps the mapped window filled to a size taken from recent demand, and keeps a
+//! stock of events created for frees.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -23,6 +24,10 @@ const IDLE_TICK: Duration = Duration::from_millis(20);
 /// The mapper refills the window only when no request has mapped a range of its own for this
 /// long: during a burst of such requests its calls would only queue in the driver beside theirs.
 const QUIET_BEFORE_REFILL: Duration = Duration::from_millis(2);
+
+/// Events kept created ahead of need: a burst of frees between two ticks records these instead
+/// of creating its own (`cuEventCreate` on the free path).
+const EVENT_STOCK: usize = 256;
 
 /// Recent demand for fresh pages, in pages a second (an exponential moving average).
 #[derive(Debug)]
@@ -63,6 +68,7 @@ pub(crate) fn run(shared: Arc<Shared>) {
         if max_pages > 0 {
             busy |= refill_window(&shared, &mut demand, min_pages, max_pages, page);
         }
+        shared.stock_events(EVENT_STOCK);
         let pending = {
             let heap = shared.heap();
             heap.has_pending_frees() || heap.unmap_due()
