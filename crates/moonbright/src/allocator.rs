@@ -394,3 +394,33 @@ impl Drop for Allocator {
         self.shared.teardown();
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::CallKind;
+
+    /// The worker's event stock (driven here by hand: no worker) tops up to its target once it is
+    /// down to half, a failed creation ends a top-up without reporting anything, and a free
+    /// takes a stocked event instead of creating one.
+    #[test]
+    fn the_event_stock_tops_up_by_halves_and_shrugs_off_failures() {
+        let a = Allocator::new(Options::host(64 << 20, 64 << 10)).unwrap();
+        let created = || a.stats().driver_calls.get(CallKind::EventCreate);
+        a.driver().fail_nth(CallKind::EventCreate, 10, None);
+        a.shared.stock_events(32);
+        assert_eq!(a.stats().events_stocked, 9, "the tenth creation failed and ended the top-up");
+        assert!(a.take_deferred_error().is_none(), "a stock failure is not the user's error");
+        a.shared.stock_events(32);
+        assert_eq!(a.stats().events_stocked, 32);
+        let before = created();
+        a.shared.stock_events(32);
+        assert_eq!(created(), before, "a stock above half its target is left alone");
+        let s = a.driver().create_stream().unwrap();
+        let p = a.malloc_async(1000, s).unwrap();
+        a.free_async(p, s).unwrap();
+        assert_eq!(created(), before, "the free created an event");
+        assert_eq!(a.stats().events_stocked, 31);
+        a.check_invariants().unwrap();
+    }
+}
