@@ -401,8 +401,8 @@ mod tests {
     use crate::CallKind;
 
     /// The worker's event stock (driven here by hand: no worker) tops up to its target once it is
-    /// down to half, a failed creation ends a top-up without reporting anything, and a free
-    /// takes a stocked event instead of creating one.
+    /// down to half, a failed creation ends a top-up without reporting anything, a free takes a
+    /// stocked event instead of creating one, and teardown destroys every event, stocked or not.
     #[test]
     fn the_event_stock_tops_up_by_halves_and_shrugs_off_failures() {
         let a = Allocator::new(Options::host(64 << 20, 64 << 10)).unwrap();
@@ -422,5 +422,10 @@ mod tests {
         assert_eq!(created(), before, "the free created an event");
         assert_eq!(a.stats().events_stocked, 31);
         a.check_invariants().unwrap();
+        a.shared.teardown();
+        let calls = a.stats().driver_calls;
+        // Every event made is destroyed: all creations but the one that failed.
+        assert_eq!(calls.get(CallKind::EventDestroy), calls.get(CallKind::EventCreate) - 1);
+        assert_eq!(a.stats().events_stocked, 0);
     }
 }

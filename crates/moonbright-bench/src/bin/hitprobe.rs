@@ -105,7 +105,7 @@ impl Probe {
     /// One repetition of `case`: (first, second) in microseconds.
     fn once(&mut self, case: Case, size: u64) -> Res<(f64, f64)> {
         let (s, n) = (self.stream, size as usize);
-        let stats = self.alloc.stats().window_hits;
+        let hits0 = self.alloc.stats().window_hits;
         let r = match case {
             Case::Async => {
                 (self.timed(|a| a.malloc_async(n, s))?, self.timed(|a| a.malloc_async(n, s))?)
@@ -120,7 +120,7 @@ impl Probe {
                 (q, self.timed(|a| a.malloc(n))?)
             }
         };
-        let hits = self.alloc.stats().window_hits - stats;
+        let hits = self.alloc.stats().window_hits - hits0;
         let want = if case == Case::Query { 1 } else { 2 };
         if hits != want {
             return Err(format!("{case:?} {}: {hits} window hits, not {want}", human(size)));
