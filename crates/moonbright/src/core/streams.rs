@@ -180,12 +180,25 @@ impl StreamFrees {
     /// were recorded in). Returns the items this frees, oldest first. A pair that is no longer
     /// listed (another poller completed it, and the event may since have been recorded again for
     /// a later epoch) changes nothing.
+    ///
+    /// Events listed for earlier epochs cover nothing more: they are dropped and become spare
+    /// too, so a burst of frees gives all its events back at the first completion seen. One of
+    /// them may still be pending on the device; recording it again replaces that record, and a
+    /// poller still holding its old pair finds the pair gone, as above.
     pub fn completed(&mut self, epoch: u64, event: EventHandle) -> Vec<Pending> {
         let Some(i) = self.events.iter().position(|&e| e == (epoch, event)) else {
             return Vec::new();
         };
         self.events.remove(i);
         self.spare_events.push(event);
+        let spare = &mut self.spare_events;
+        self.events.retain(|&(e, ev)| {
+            let redundant = e <= epoch;
+            if redundant {
+                spare.push(ev);
+            }
+            !redundant
+        });
         self.done = self.done.max(Some(epoch));
         let done: Vec<u64> =
             self.items.iter().take_while(|(_, it)| it.epoch <= epoch).map(|(&s, _)| s).collect();
@@ -338,6 +351,43 @@ mod tests {
         assert_eq!(s.len(), 1);
         assert_eq!(s.completed(e1, EventHandle(11)).len(), 1);
     }
+
+    #[test]
+    fn a_completion_gives_back_the_events_of_earlier_epochs() {
+        let mut s = StreamFrees::default();
+        let epochs: Vec<u64> =
+            (0..4).map(|i| s.push(i, Pending::Range { id: i as u32, pages: 1 })).collect();
+        for (i, &e) in epochs.iter().enumerate() {
+            s.recorded(e, EventHandle(20 + i as u64));
+        }
+        // The third event done: the first three frees, and the first three events spare (the
+        // first two cover nothing more); the fourth stays listed.
+        assert_eq!(s.completed(epochs[2], EventHandle(22)).len(), 3);
+        assert_eq!(s.events().collect::<Vec<_>>(), vec![(epochs[3], EventHandle(23))]);
+        let mut spare: Vec<u64> = std::iter::from_fn(|| s.spare_event()).map(|e| e.0).collect();
+        spare.sort_unstable();
+        assert_eq!(spare, vec![20, 21, 22]);
+        // A poller that saw event 20 done for its old epoch changes nothing now.
+        assert!(s.completed(epochs[0], EventHandle(20)).is_empty());
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn a_redundant_event_recorded_again_covers_only_its_new_free() {
+        let mut s = StreamFrees::default();
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        s.recorded(e0, EventHandle(30));
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        s.recorded(e1, EventHandle(31));
+        assert_eq!(s.completed(e1, EventHandle(31)).len(), 2);
+        // Event 30 may still be pending on the device; it is spare, and a new free records it.
+        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        let ev = std::iter::from_fn(|| s.spare_event()).find(|e| e.0 == 30).unwrap();
+        s.recorded(e2, ev);
+        assert!(s.completed(e0, EventHandle(30)).is_empty(), "the old pair is gone");
+        assert_eq!(s.len(), 1);
+        assert_eq!(s.completed(e2, EventHandle(30)), vec![Pending::Range { id: 3, pages: 1 }]);
+    }
 }
 
 /// A loom model of the event-completion protocol, the part of the stream front end that runs
@@ -366,14 +416,81 @@ mod loom_model {
         }
     }
 
+    /// `Shared::poll_events` for one stream: the newest pair first, then the oldest onwards
+    /// until one is pending.
     fn poll(frees: &Mutex<StreamFrees>, device: &Device, out: &Mutex<Vec<Pending>>) {
         let snapshot: Vec<(u64, EventHandle)> = frees.lock().unwrap().events().collect();
-        for (epoch, ev) in snapshot {
-            if device.done(ev) {
-                let done = frees.lock().unwrap().completed(epoch, ev);
-                out.lock().unwrap().extend(done);
+        let Some((&newest, older)) = snapshot.split_last() else { return };
+        let apply = |(epoch, ev): (u64, EventHandle)| {
+            let done = device.done(ev);
+            if done {
+                let items = frees.lock().unwrap().completed(epoch, ev);
+                out.lock().unwrap().extend(items);
+            }
+            done
+        };
+        if apply(newest) {
+            return;
+        }
+        for &pair in older {
+            if !apply(pair) {
+                break;
             }
         }
+    }
+
+    /// Two events listed in the opposite order to their records on the stream: the second
+    /// completes first, which makes the first redundant, and it becomes spare while its record
+    /// is still pending. A third free may record it again at once. That free must not complete.
+    #[test]
+    fn a_redundant_event_reused_while_pending_completes_nothing_early() {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(|| {
+            let device = Arc::new(Device {
+                latest: [AtomicU64::new(1), AtomicU64::new(1)],
+                completed: [AtomicU64::new(0), AtomicU64::new(0)],
+            });
+            let frees = Arc::new(Mutex::new(StreamFrees::default()));
+            let completed_items = Arc::new(Mutex::new(Vec::new()));
+            {
+                let mut f = frees.lock().unwrap();
+                let e1 = f.push(1, Pending::Range { id: 1, pages: 1 });
+                let e2 = f.push(2, Pending::Range { id: 2, pages: 1 });
+                f.recorded(e1, EventHandle(0));
+                f.recorded(e2, EventHandle(1));
+            }
+            // Event 1's record completes; event 0's (later on the stream) never does here.
+            let d = device.clone();
+            let dev = thread::spawn(move || d.completed[1].store(1, Ordering::SeqCst));
+            let pollers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (f, d, o) = (frees.clone(), device.clone(), completed_items.clone());
+                    thread::spawn(move || poll(&f, &d, &o))
+                })
+                .collect();
+            // A third free records whatever event is spare by then, if any.
+            {
+                let (epoch, spare) = {
+                    let mut f = frees.lock().unwrap();
+                    let epoch = f.push(3, Pending::Range { id: 3, pages: 1 });
+                    (epoch, f.spare_event())
+                };
+                if let Some(ev) = spare {
+                    device.latest[ev.0 as usize].fetch_add(1, Ordering::SeqCst);
+                    frees.lock().unwrap().recorded(epoch, ev);
+                }
+            }
+            dev.join().unwrap();
+            for p in pollers {
+                p.join().unwrap();
+            }
+            let done = completed_items.lock().unwrap();
+            assert!(
+                !done.contains(&Pending::Range { id: 3, pages: 1 }),
+                "the third free completed though no record after it did"
+            );
+        });
     }
 
     #[test]

@@ -278,27 +278,50 @@ impl Shared {
         }
     }
 
-    /// Queries every recorded event and frees what the completed ones cover. Returns whether
-    /// anything completed. Safe to run from several threads at once: a completion that another
-    /// thread already applied changes nothing.
+    /// Queries recorded events and frees what the completed ones cover. Returns whether anything
+    /// completed. Safe to run from several threads at once: a completion that another thread
+    /// already applied changes nothing.
+    ///
+    /// Events on one stream complete in the order they were recorded, and each covers every free
+    /// of its stream before it. So per stream it asks the newest first (done: everything listed
+    /// is, in one step), else the oldest onwards until one is still pending: a burst of frees
+    /// costs a query or two a poll, not one per free.
     pub fn poll_events(&self) -> bool {
         let to_query = self.heap().events_to_query();
         let mut any = false;
         for (stream, events) in to_query {
-            for (epoch, ev) in events {
-                match self.driver.event_done(ev) {
-                    Ok(true) => {
-                        let mut heap = self.heap();
-                        heap.events_completed(stream, epoch, ev);
-                        self.validated(&heap);
-                        any = true;
-                    }
-                    Ok(false) => {}
-                    Err(e) => self.heap().note_deferred_error(e),
+            let Some((&newest, older)) = events.split_last() else { continue };
+            if self.poll_one(stream, newest) == Some(true) {
+                any = true;
+                continue;
+            }
+            for &pair in older {
+                match self.poll_one(stream, pair) {
+                    Some(true) => any = true,
+                    Some(false) => break,
+                    None => {}
                 }
             }
         }
         any
+    }
+
+    /// Queries one recorded event and applies its completion: whether it had completed (`None`
+    /// if the query failed; the error is kept for the user).
+    fn poll_one(&self, stream: u64, (epoch, ev): (u64, EventHandle)) -> Option<bool> {
+        match self.driver.event_done(ev) {
+            Ok(true) => {
+                let mut heap = self.heap();
+                heap.events_completed(stream, epoch, ev);
+                self.validated(&heap);
+                Some(true)
+            }
+            Ok(false) => Some(false),
+            Err(e) => {
+                self.heap().note_deferred_error(e);
+                None
+            }
+        }
     }
 
     /// Waits (on the host, never the device) until every stream's pending frees have completed.
