@@ -385,7 +385,7 @@ impl Allocator {
 impl Drop for Allocator {
     fn drop(&mut self) {
         self.shared.stop.store(true, std::sync::atomic::Ordering::Release);
-        self.shared.wake_worker();
+        self.shared.wake_worker_always();
         if let Some(w) = self.worker.take() {
             if w.join().is_err() {
                 eprintln!("moonbright: the background worker panicked");

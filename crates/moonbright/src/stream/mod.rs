@@ -40,6 +40,10 @@ pub(crate) struct Shared {
     heap: Mutex<Heap>,
     /// Wakes the worker early (a free to record, demand for the window).
     wake: Condvar,
+    /// Whether the worker is sleeping on `wake` (set under the heap lock before it waits): a
+    /// request wakes it only then, as a futex wake is a system call (about 1 µs), and a worker
+    /// that is awake, or absent, needs none.
+    worker_asleep: AtomicBool,
     pub stop: AtomicBool,
     pub options: Options,
     /// Requests running a map plan now. The driver serialises VMM calls, so an unmap batch lets
@@ -53,6 +57,7 @@ impl Shared {
             driver,
             heap: Mutex::new(heap),
             wake: Condvar::new(),
+            worker_asleep: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             options,
             requests_mapping: AtomicUsize::new(0),
@@ -92,7 +97,16 @@ impl Shared {
         }
     }
 
+    /// Wakes the worker if it is asleep. A worker that is about to sleep may miss it, as it
+    /// could miss a notification sent before it waits: it then wakes at its next tick.
     pub fn wake_worker(&self) {
+        if self.worker_asleep.load(Ordering::SeqCst) {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Wakes the worker whatever it is doing (to stop it).
+    pub fn wake_worker_always(&self) {
         self.wake.notify_one();
     }
 
@@ -453,6 +467,8 @@ impl Shared {
         if self.stop.load(Ordering::Acquire) {
             return;
         }
+        self.worker_asleep.store(true, Ordering::SeqCst);
         let _ = self.wake.wait_timeout(heap, timeout);
+        self.worker_asleep.store(false, Ordering::SeqCst);
     }
 }
