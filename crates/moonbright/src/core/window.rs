@@ -10,9 +10,9 @@ use std::sync::Arc;
 use super::chunks::Chunks;
 use super::pool::ChunkId;
 
-/// Takes of up to this many pages copy their ids (a few cache lines); larger ones share the
+/// Takes of up to this many pages (a 64-byte line of ids) copy their ids; larger ones share the
 /// segment's id buffer, so a hit costs the same at any size.
-const COPY_AT_MOST: usize = 64;
+const COPY_AT_MOST: usize = 16;
 
 /// Pages mapped back to back from `va`: the ids `ids[start..end]`. Ids before `start` were taken
 /// by allocations, which may still share the buffer; they are never changed while shared.
