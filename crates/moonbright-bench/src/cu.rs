@@ -32,6 +32,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemFreeAsync",
     "cuDeviceGetDefaultMemPool",
     "cuMemPoolSetAttribute",
+    "cuMemPoolTrimTo",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
     "cuMemAddressFree",

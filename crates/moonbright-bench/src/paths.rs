@@ -42,13 +42,14 @@ pub enum MbMode {
     /// The same size again and again: after the first, every request is a cache hit (an arena
     /// carve below a page).
     Cache,
-    /// A fresh range each time: allocations stay live until the end (so no freed range is
-    /// cached to serve the next one), served from the window the background mapper keeps mapped
-    /// at the frontier. `prepare` waits (untimed, spinning) until the window holds two requests
-    /// and makes the first of them: the timed request is the second of two hits in a row, as
-    /// warm as the cache-hit and warm-pool loops it is compared with (`hitprobe` measures the
-    /// first hit after a refill beside `cuMemAllocAsync`'s first after the same idle spell). Its
-    /// free time is a no-op and not meaningful; its alloc time is.
+    /// A fresh range each time: allocations stay live (so no freed range is cached to serve the
+    /// next one), served from the window the background mapper keeps mapped at the frontier, in
+    /// runs of `run_len(size)` hits back to back. At the start of a run `prepare` waits
+    /// (untimed, spinning) until the window holds the whole run, and makes its first two
+    /// requests untimed: the timed ones are the third and later of a run, a warm loop like the
+    /// cache-hit and warm-pool loops they are compared with. (`hitprobe` times the first hit
+    /// after a refill, and every position of a run, beside `cuMemAllocAsync`'s.) Its free is a
+    /// no-op and not meaningful; its alloc time is.
     Window,
     /// The same, but the timed request is the first after the mapper has refilled the whole
     /// window and gone idle: the heap's state was last touched by the mapper's thread.
@@ -73,6 +74,8 @@ pub struct Mb {
     held: Vec<u64>,
     /// The window's size when the mapper has nothing left to do.
     full_window: u64,
+    /// Window path: timed requests left in the current run.
+    left_in_run: usize,
 }
 
 /// Bytes the window paths keep live before giving them back (the H200 has 139 GiB; the 8 GiB
@@ -84,6 +87,21 @@ pub fn window_for(size: u64) -> u64 {
     (2 * size).max(GIB)
 }
 
+/// Fresh allocations a run of window hits (or of `CuAsyncFresh`) makes back to back: 16, or 4
+/// above 1 GiB (an 8 GiB run holds 32 GiB).
+pub fn run_len(size: u64) -> usize {
+    if size > GIB {
+        4
+    } else {
+        16
+    }
+}
+
+/// The window for runs of `size`: a whole run, at least 1 GiB.
+pub fn run_window(size: u64) -> u64 {
+    (run_len(size) as u64 * size).max(GIB)
+}
+
 impl Mb {
     /// A fresh allocator for `mode` and requests of `size`.
     pub fn new(mode: MbMode, size: u64) -> Res<Mb> {
@@ -91,7 +109,10 @@ impl Mb {
             // The default window: it grows with fresh demand, and a run of cache hits has none,
             // so the mapper stays idle as in any steady state.
             MbMode::Cache => mb_options(None, crate::max_chunk(), crate::default_window(), true),
-            MbMode::Window | MbMode::WindowIdle => {
+            MbMode::Window => {
+                mb_options(None, crate::max_chunk(), (run_window(size), run_window(size)), true)
+            }
+            MbMode::WindowIdle => {
                 mb_options(None, crate::max_chunk(), (window_for(size), window_for(size)), true)
             }
             MbMode::Cold | MbMode::ColdBesideLive => {
@@ -113,8 +134,9 @@ impl Mb {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
+        let window = if mode == MbMode::Window { run_window(size) } else { window_for(size) };
         // The longest to wait for the mapper to refill: generous, about 100 µs per 2 MiB page.
-        let refill = Duration::from_micros(2_000_000 + window_for(size) / (2 * MIB) * 100);
+        let refill = Duration::from_micros(2_000_000 + window / (2 * MIB) * 100);
         let mut held = Vec::new();
         if mode == MbMode::ColdBesideLive {
             held.push(alloc.malloc(page as usize).map_err(|e| format!("malloc({page}): {e}"))?);
@@ -126,8 +148,57 @@ impl Mb {
             refill,
             next_window_size: size.next_multiple_of(page),
             held,
-            full_window: window_for(size).next_multiple_of(page),
+            full_window: window.next_multiple_of(page),
+            left_in_run: 0,
         })
+    }
+}
+
+impl Mb {
+    /// Window paths: gives the held ranges back, and the window with them, when `more`
+    /// requests would take them past `HELD_AT_MOST` (a freed range would serve the next
+    /// request from the cache, so the mapper starts again).
+    fn give_back_if_over(&mut self, more: usize) -> Res<()> {
+        if (self.held.len() + more) as u64 * self.next_window_size <= HELD_AT_MOST {
+            return Ok(());
+        }
+        self.stream.sync()?;
+        for p in std::mem::take(&mut self.held) {
+            self.inner.free(p).map_err(|e| format!("free: {e}"))?;
+        }
+        self.inner.release_unused().map_err(|e| format!("release_unused: {e}"))?;
+        Ok(())
+    }
+
+    /// Waits, spinning (the request should not pay for a wake-up), until the window holds
+    /// `bytes`.
+    fn wait_for_window(&self, bytes: u64) -> Res<()> {
+        let t = std::time::Instant::now();
+        while self.inner.stats().window_bytes.current < bytes {
+            if t.elapsed() > self.refill {
+                return Err(format!(
+                    "the window did not reach {bytes} bytes within {:?}",
+                    self.refill
+                ));
+            }
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
+    /// One request, untimed, that must be a window hit; kept live.
+    fn untimed_window_hit(&mut self) -> Res<()> {
+        let size = self.next_window_size as usize;
+        let hits = self.inner.stats().window_hits;
+        let p = self
+            .inner
+            .malloc_async(size, self.stream.handle())
+            .map_err(|e| format!("malloc_async({size}): {e}"))?;
+        self.held.push(p);
+        if self.inner.stats().window_hits != hits + 1 {
+            return Err("an untimed request of the run was not a window hit".into());
+        }
+        Ok(())
     }
 }
 
@@ -135,45 +206,23 @@ impl AllocPath for Mb {
     fn prepare(&mut self) -> Res<()> {
         match self.mode {
             MbMode::Cache => Ok(()),
-            MbMode::Window | MbMode::WindowIdle => {
-                // Wait (untimed) until the mapper has mapped room for two requests, or (idle)
-                // refilled the whole window. Spin: the request should not pay for a wake-up.
-                let need = match self.mode {
-                    MbMode::WindowIdle => self.full_window,
-                    _ => 2 * self.next_window_size,
-                };
-                if (self.held.len() as u64 + 2) * self.next_window_size > HELD_AT_MOST {
-                    // Give the held ranges back, and the window with them (a freed range would
-                    // serve the next request from the cache): the mapper starts again.
-                    self.stream.sync()?;
-                    for p in std::mem::take(&mut self.held) {
-                        self.inner.free(p).map_err(|e| format!("free: {e}"))?;
-                    }
-                    self.inner.release_unused().map_err(|e| format!("release_unused: {e}"))?;
+            MbMode::Window => {
+                if self.left_in_run > 0 {
+                    self.left_in_run -= 1;
+                    return Ok(());
                 }
-                let t = std::time::Instant::now();
-                while self.inner.stats().window_bytes.current < need {
-                    if t.elapsed() > self.refill {
-                        return Err(format!(
-                            "the window did not reach {need} bytes within {:?}",
-                            self.refill
-                        ));
-                    }
-                    std::hint::spin_loop();
+                let run = run_len(self.next_window_size);
+                self.give_back_if_over(run)?;
+                self.wait_for_window(self.full_window)?;
+                for _ in 0..2 {
+                    self.untimed_window_hit()?;
                 }
-                if self.mode == MbMode::Window {
-                    let size = self.next_window_size as usize;
-                    let hits = self.inner.stats().window_hits;
-                    let first = self
-                        .inner
-                        .malloc_async(size, self.stream.handle())
-                        .map_err(|e| format!("malloc_async({size}): {e}"))?;
-                    self.held.push(first);
-                    if self.inner.stats().window_hits != hits + 1 {
-                        return Err("the untimed first request was not a window hit".into());
-                    }
-                }
+                self.left_in_run = run - 3;
                 Ok(())
+            }
+            MbMode::WindowIdle => {
+                self.give_back_if_over(2)?;
+                self.wait_for_window(self.full_window)
             }
             MbMode::Cold | MbMode::ColdBesideLive => {
                 self.stream.sync()?;
@@ -279,6 +328,77 @@ impl Drop for CuAsync {
     }
 }
 
+/// `cuMemAllocAsync` serving what a window hit serves: fresh allocations that stay live, in
+/// runs of `run_len(size)`, from a default pool (release threshold `u64::MAX`) warmed with a
+/// whole run. `prepare` frees the last run (untimed) and makes the first two of the next; the
+/// timed ones are the third and later, as for `MbMode::Window`. Its free is a no-op.
+pub struct CuAsyncFresh {
+    pool: CuAsync,
+    device: sys::CUdevice,
+    size: u64,
+    held: Vec<u64>,
+    left_in_run: usize,
+}
+
+impl CuAsyncFresh {
+    pub fn new(gpu: &Gpu, size: u64) -> Res<CuAsyncFresh> {
+        let mut pool = CuAsync::new(gpu)?;
+        let warm: Vec<u64> = (0..run_len(size)).map(|_| pool.alloc(size)).collect::<Res<_>>()?;
+        for p in warm {
+            pool.free(p)?;
+        }
+        pool.stream.sync()?;
+        Ok(CuAsyncFresh { pool, device: gpu.device, size, held: Vec::new(), left_in_run: 0 })
+    }
+}
+
+impl AllocPath for CuAsyncFresh {
+    fn prepare(&mut self) -> Res<()> {
+        if self.left_in_run > 0 {
+            self.left_in_run -= 1;
+            return Ok(());
+        }
+        for p in std::mem::take(&mut self.held) {
+            self.pool.free(p)?;
+        }
+        self.pool.stream.sync()?;
+        for _ in 0..2 {
+            let p = self.pool.alloc(self.size)?;
+            self.held.push(p);
+        }
+        self.left_in_run = run_len(self.size) - 3;
+        Ok(())
+    }
+    fn alloc(&mut self, size: u64) -> Res<u64> {
+        self.pool.alloc(size)
+    }
+    fn free(&mut self, ptr: u64) -> Res<()> {
+        self.held.push(ptr);
+        Ok(())
+    }
+}
+
+impl Drop for CuAsyncFresh {
+    fn drop(&mut self) {
+        for p in std::mem::take(&mut self.held) {
+            let _ = self.pool.free(p);
+        }
+        // Give the run's memory back to the device (up to 32 GiB at 8 GiB): the paths measured
+        // later need it. The warm-pool paths warm up again.
+        if self.pool.stream.sync().is_ok() {
+            let mut pool: sys::CUmemoryPool = ptr::null_mut();
+            // SAFETY: valid out-pointer; the device is the pool's.
+            if unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.device) }
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                // SAFETY: `pool` is the device's default pool; a trim releases only memory that
+                // no allocation uses.
+                let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+            }
+        }
+    }
+}
+
 /// The raw VMM calls: `cuMemCreate` (one handle, or one per page), `cuMemAddressReserve`,
 /// `cuMemMap` each handle, one `cuMemSetAccess` over the range; the free is one `cuMemUnmap`
 /// over the range, `cuMemAddressFree` and `cuMemRelease` of each handle.
@@ -287,11 +407,25 @@ pub struct RawVmm {
     access: sys::CUmemAccessDesc,
     page: u64,
     per_page: bool,
-    live: Vec<(u64, u64, Vec<u64>)>,
+    /// Reserve whole 1 GiB-aligned regions, so that nothing else is mapped in the range's
+    /// region (as in an empty allocator); otherwise the driver places the reservation, beside
+    /// the process's other mappings.
+    own_region: bool,
+    /// (address, mapped bytes, reserved bytes, handles).
+    live: Vec<(u64, u64, u64, Vec<u64>)>,
 }
 
 impl RawVmm {
     pub fn new(gpu: &Gpu, per_page: bool) -> Res<RawVmm> {
+        RawVmm::with_placement(gpu, per_page, false)
+    }
+
+    /// One handle a range, each in 1 GiB regions of its own (see `own_region`).
+    pub fn in_own_region(gpu: &Gpu) -> Res<RawVmm> {
+        RawVmm::with_placement(gpu, false, true)
+    }
+
+    fn with_placement(gpu: &Gpu, per_page: bool, own_region: bool) -> Res<RawVmm> {
         Ok(RawVmm {
             gpu_prop: gpu.alloc_prop(),
             access: sys::CUmemAccessDesc {
@@ -300,6 +434,7 @@ impl RawVmm {
             },
             page: gpu.granularity()? as u64,
             per_page,
+            own_region,
             live: Vec::new(),
         })
     }
@@ -336,10 +471,12 @@ impl AllocPath for RawVmm {
             }
             handles.push(h);
         }
+        let (rlen, align) =
+            if self.own_region { (len.next_multiple_of(GIB), GIB) } else { (len, 0) };
         let mut va = 0;
         // SAFETY: valid out-pointer.
-        let r = unsafe { sys::cuMemAddressReserve(&mut va, len as usize, 0, 0, 0) };
-        if let Err(e) = ck(r, &format!("cuMemAddressReserve({len})")) {
+        let r = unsafe { sys::cuMemAddressReserve(&mut va, rlen as usize, align as usize, 0, 0) };
+        if let Err(e) = ck(r, &format!("cuMemAddressReserve({rlen})")) {
             self.unwind(0, 0, 0, &handles);
             return Err(e);
         }
@@ -348,27 +485,27 @@ impl AllocPath for RawVmm {
             // SAFETY: `at` lies in the reservation just made; `h` is a handle of `hsize` bytes.
             let r = unsafe { sys::cuMemMap(at, hsize as usize, 0, h, 0) };
             if let Err(e) = ck(r, "cuMemMap") {
-                self.unwind(va, len, i as u64 * hsize, &handles);
+                self.unwind(va, rlen, i as u64 * hsize, &handles);
                 return Err(e);
             }
         }
         // SAFETY: the range is fully mapped; one descriptor.
         let r = unsafe { sys::cuMemSetAccess(va, len as usize, &self.access, 1) };
         if let Err(e) = ck(r, "cuMemSetAccess") {
-            self.unwind(va, len, len, &handles);
+            self.unwind(va, rlen, len, &handles);
             return Err(e);
         }
-        self.live.push((va, len, handles));
+        self.live.push((va, len, rlen, handles));
         Ok(va)
     }
 
     fn free(&mut self, ptr: u64) -> Res<()> {
         let i = self.live.iter().position(|l| l.0 == ptr).ok_or("raw VMM: unknown pointer")?;
-        let (va, len, handles) = self.live.swap_remove(i);
+        let (va, len, rlen, handles) = self.live.swap_remove(i);
         // SAFETY: the range is mapped by this path and no work uses it.
         ck(unsafe { sys::cuMemUnmap(va, len as usize) }, "cuMemUnmap")?;
         // SAFETY: the reservation was made by `alloc` and is now unmapped.
-        ck(unsafe { sys::cuMemAddressFree(va, len as usize) }, "cuMemAddressFree")?;
+        ck(unsafe { sys::cuMemAddressFree(va, rlen as usize) }, "cuMemAddressFree")?;
         for h in handles {
             // SAFETY: each handle was created by `alloc` and is released once.
             ck(unsafe { sys::cuMemRelease(h) }, "cuMemRelease")?;
@@ -379,8 +516,8 @@ impl AllocPath for RawVmm {
 
 impl Drop for RawVmm {
     fn drop(&mut self) {
-        for (va, len, handles) in std::mem::take(&mut self.live) {
-            self.unwind(va, len, len, &handles);
+        for (va, len, rlen, handles) in std::mem::take(&mut self.live) {
+            self.unwind(va, rlen, len, &handles);
         }
     }
 }

@@ -40,6 +40,12 @@ struct Args {
     host: bool,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Instead: runs of this many hits back to back, each timed (`run` mode, see `run_probe`).
+    #[arg(long)]
+    run: Option<usize>,
+    /// Instead: where a cache-hit pair's time goes (`free_parts`).
+    #[arg(long)]
+    free_parts: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -203,9 +209,189 @@ fn pool_times(gpu: &Gpu, size: u64, reps: usize, settle: Duration) -> Res<(Vec<f
     Ok((first, second))
 }
 
+/// Where a cache hit's alloc+free pair spends its time, on one stream, `reps` times each
+/// (p50, p99 in us): the pair's alloc and free, then the capture query and an event record
+/// alone, the two driver calls a stream free makes.
+fn free_parts(args: &Args) -> Res<Vec<(String, Summary)>> {
+    let _gpu = Gpu::open()?;
+    let stream = Stream::new(true)?;
+    let s = stream.handle();
+    let mut rows = Vec::new();
+    for size in [256, 2 * MIB, GIB] {
+        let opts = mb_options(
+            None,
+            moonbright_bench::max_chunk(),
+            moonbright_bench::default_window(),
+            true,
+        );
+        let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+        let (mut a, mut f) = (vec![], vec![]);
+        for i in 0..args.reps * 50 + 100 {
+            let t = Instant::now();
+            let p = alloc.malloc_async(size as usize, s).map_err(|e| format!("malloc: {e}"))?;
+            let ta = us_since(t);
+            let t = Instant::now();
+            alloc.free_async(p, s).map_err(|e| format!("free: {e}"))?;
+            let tf = us_since(t);
+            if i >= 100 {
+                a.push(ta);
+                f.push(tf);
+            }
+        }
+        rows.push((format!("cache-hit alloc {}", human(size)), Summary::of(&a)));
+        rows.push((format!("cache-hit free {}", human(size)), Summary::of(&f)));
+    }
+    let alloc = Allocator::new(mb_options(None, moonbright_bench::max_chunk(), (0, 0), false))
+        .map_err(|e| format!("MoonBright: {e}"))?;
+    let d = alloc.driver();
+    let ev = d.create_event().map_err(|e| format!("create_event: {e}"))?;
+    let (mut q, mut r) = (vec![], vec![]);
+    for _ in 0..args.reps * 50 {
+        let t = Instant::now();
+        d.is_capturing(s).map_err(|e| format!("is_capturing: {e}"))?;
+        q.push(us_since(t));
+        let t = Instant::now();
+        d.record_event(ev, s).map_err(|e| format!("record_event: {e}"))?;
+        r.push(us_since(t));
+    }
+    stream.sync()?;
+    d.destroy_event(ev).map_err(|e| format!("destroy_event: {e}"))?;
+    rows.push(("cuStreamIsCapturing".into(), Summary::of(&q)));
+    rows.push(("cuEventRecord".into(), Summary::of(&r)));
+    Ok(rows)
+}
+
+/// One run mode's figures at one size: p50 over runs of each position in the run, and of
+/// positions 3 and later together (the warm loop).
+#[derive(Debug, Serialize)]
+struct RunRow {
+    mode: &'static str,
+    size: u64,
+    by_position_p50_us: Vec<f64>,
+    warm_us: Summary,
+}
+
+/// Runs of `k` fresh allocations back to back, each timed, kept live until the run ends:
+///
+/// - `idle`: MoonBright, after the mapper has filled a window of `k` requests and gone idle;
+/// - `busy`: MoonBright, while the mapper is still refilling (window target `2k` requests,
+///   the run starts once it holds `k`);
+/// - `pool`: `cuMemAllocAsync` from a default pool warmed with `k` such allocations.
+///
+/// A fresh range that stays live is what a window hit serves; a warm pool serves the same from
+/// memory it already holds. Positions 3 and later are the warm loop.
+fn run_probe(args: &Args, k: usize) -> Res<Vec<RunRow>> {
+    let gpu = if args.host { None } else { Some(Gpu::open()?) };
+    let gpu_stream = gpu.as_ref().map(|_| Stream::new(true)).transpose()?;
+    let stream = gpu_stream.as_ref().map_or(StreamHandle(0), |s| s.handle());
+    let settle = Duration::from_micros(args.settle_us);
+    let mut rows = Vec::new();
+    let k_all = k;
+    for size in [2 * MIB, 64 * MIB, GIB, 8 * GIB] {
+        // An 8 GiB run of 16 would hold 128 GiB: runs of 4 there (32 GiB, twice in busy mode).
+        let k = if size > GIB { k_all.min(4) } else { k_all };
+        let runs = (args.reps as u64 * 2 * MIB / size).clamp(6, args.reps as u64) as usize;
+        for mode in ["idle", "busy", "pool"] {
+            let mut by_pos: Vec<Vec<f64>> = vec![vec![]; k];
+            if mode == "pool" {
+                let Some(gpu) = &gpu else { continue };
+                use moonbright_bench::paths::{AllocPath, CuAsync};
+                let mut pool = CuAsync::new(gpu)?;
+                for r in 0..runs + 1 {
+                    spin(settle);
+                    let mut ptrs = Vec::with_capacity(k);
+                    let mut ts = Vec::with_capacity(k);
+                    for _ in 0..k {
+                        let t = Instant::now();
+                        ptrs.push(pool.alloc(size)?);
+                        ts.push(us_since(t));
+                    }
+                    for p in ptrs {
+                        pool.free(p)?;
+                    }
+                    moonbright_bench::cu::ctx_sync()?;
+                    if r > 0 {
+                        // The first run grew the pool.
+                        ts.into_iter().zip(by_pos.iter_mut()).for_each(|(t, v)| v.push(t));
+                    }
+                }
+            } else {
+                let bytes = k as u64 * size;
+                let target = if mode == "busy" { 2 * bytes } else { bytes };
+                let mut opts =
+                    mb_options(None, moonbright_bench::max_chunk(), (target, target), true);
+                if args.host {
+                    opts.backend = BackendKind::Host;
+                    opts.host_capacity = 64 * GIB;
+                }
+                let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+                let mut p = Probe { alloc, stream, settle, held: vec![] };
+                for _ in 0..runs {
+                    p.reset()?;
+                    if mode == "busy" {
+                        p.settle = Duration::ZERO;
+                    }
+                    p.wait_full(bytes)?;
+                    let hits0 = p.alloc.stats().window_hits;
+                    for v in by_pos.iter_mut() {
+                        let t = p.timed(|a| a.malloc_async(size as usize, stream))?;
+                        v.push(t);
+                    }
+                    let hits = p.alloc.stats().window_hits - hits0;
+                    if hits != k as u64 {
+                        return Err(format!("{mode} {}: {hits} window hits of {k}", human(size)));
+                    }
+                }
+                p.reset()?;
+            }
+            let warm: Vec<f64> = by_pos.iter().skip(2).flatten().copied().collect();
+            rows.push(RunRow {
+                mode,
+                size,
+                by_position_p50_us: by_pos.iter().map(|v| Summary::of(v).p50).collect(),
+                warm_us: Summary::of(&warm),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+fn spin(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
 fn main() -> ExitCode {
     main_wrapper("hitprobe", || {
         let args = Args::parse();
+        if args.free_parts {
+            for (what, s) in free_parts(&args)? {
+                println!("{what:<28} p50 {:.3} p99 {:.3} us", s.p50, s.p99);
+            }
+            return Ok(());
+        }
+        if let Some(k) = args.run {
+            let rows = run_probe(&args, k.max(3))?;
+            println!("hitprobe runs of {k} fresh allocations: p50 by position; warm = 3rd on");
+            for r in &rows {
+                let pos: Vec<String> =
+                    r.by_position_p50_us.iter().map(|x| format!("{x:.2}")).collect();
+                println!(
+                    "{:<5} {:>8}  warm p50 {:.2} p99 {:.2}  | {}",
+                    r.mode,
+                    human(r.size),
+                    r.warm_us.p50,
+                    r.warm_us.p99,
+                    pos.join(" ")
+                );
+            }
+            if let Some(p) = &args.json {
+                moonbright_bench::write_json(p, &rows)?;
+            }
+            return Ok(());
+        }
         let rows = probe(&args)?;
         println!(
             "hitprobe ({}, settle {} us): p50 (p99) us; async/sync: first hit after the refill, \
