@@ -30,6 +30,11 @@ const RECENT_FREES: usize = 4096;
 /// A cached range up to 1/8 larger than a request serves it as it is (no driver call).
 const NEAR_FIT_DIVISOR: u64 = 8;
 
+/// Events a stream keeps recorded and unpolled before its frees record its newest one again
+/// (`StreamFrees::event_to_record`): a burst of frees between two polls neither drains the
+/// event stock nor lists an event a free.
+const EVENTS_IN_FLIGHT: usize = 8;
+
 /// What a mapped range is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
@@ -466,7 +471,11 @@ impl Heap {
             }
         };
         let epoch = self.streams.push(stream, what);
-        let spare = self.streams.entry(stream).spare_event().or_else(|| self.event_stock.pop());
+        let spare = self
+            .streams
+            .entry(stream)
+            .event_to_record(EVENTS_IN_FLIGHT)
+            .or_else(|| self.event_stock.pop());
         Ok((epoch, spare))
     }
 
@@ -505,7 +514,8 @@ impl Heap {
         for (s, f) in self.streams.iter_mut() {
             if f.needs_event() {
                 let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-                out.push((s, epoch, f.spare_event().or_else(|| self.event_stock.pop())));
+                let ev = f.event_to_record(EVENTS_IN_FLIGHT).or_else(|| self.event_stock.pop());
+                out.push((s, epoch, ev));
             }
         }
         out

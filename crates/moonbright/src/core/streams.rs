@@ -154,8 +154,23 @@ impl StreamFrees {
         !self.items.is_empty() && self.newest_epoch() > self.covered
     }
 
-    /// An event to record (a spare one, if any).
+    /// A spare event, if any.
+    #[cfg(test)]
     pub fn spare_event(&mut self) -> Option<EventHandle> {
+        self.spare_events.pop()
+    }
+
+    /// An event to record for the newest free: with `cap` events listed already, the newest of
+    /// them, taken off the list (recording it again moves it after this free, and it covers
+    /// every epoch its old record did); otherwise a spare one, if any. So a stream freeing
+    /// faster than its events are polled keeps at most `cap` events in flight instead of one a
+    /// free, and the older ones, never recorded again, complete when the device passes them.
+    /// Until the new record is listed, the frees the old one covered wait for it: late, never
+    /// early. A poller holding the old pair finds it gone.
+    pub fn event_to_record(&mut self, cap: usize) -> Option<EventHandle> {
+        if self.events.len() >= cap.max(1) {
+            return self.events.pop_back().map(|(_, ev)| ev);
+        }
         self.spare_events.pop()
     }
 
@@ -353,6 +368,27 @@ mod tests {
     }
 
     #[test]
+    fn at_the_cap_the_newest_event_is_recorded_again() {
+        let mut s = StreamFrees::default();
+        s.return_event(EventHandle(50));
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let ev = s.event_to_record(2).unwrap();
+        s.recorded(e0, ev);
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        assert_eq!(s.event_to_record(2), None, "below the cap: no spare, the caller makes one");
+        s.recorded(e1, EventHandle(51));
+        // At the cap: the newest (51) comes off the list, to be recorded again for epoch e2.
+        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        assert_eq!(s.event_to_record(2), Some(EventHandle(51)));
+        assert_eq!(s.events().count(), 1);
+        // A poller that saw 51 done for e1 changes nothing: e1 waits for the new record.
+        assert!(s.completed(e1, EventHandle(51)).is_empty());
+        s.recorded(e2, EventHandle(51));
+        assert_eq!(s.completed(e2, EventHandle(51)).len(), 3);
+        assert!(s.is_empty());
+    }
+
+    #[test]
     fn a_completion_gives_back_the_events_of_earlier_epochs() {
         let mut s = StreamFrees::default();
         let epochs: Vec<u64> =
@@ -474,7 +510,7 @@ mod loom_model {
                 let (epoch, spare) = {
                     let mut f = frees.lock().unwrap();
                     let epoch = f.push(3, Pending::Range { id: 3, pages: 1 });
-                    (epoch, f.spare_event())
+                    (epoch, f.event_to_record(2))
                 };
                 if let Some(ev) = spare {
                     device.latest[ev.0 as usize].fetch_add(1, Ordering::SeqCst);
@@ -526,7 +562,7 @@ mod loom_model {
                 let (epoch, spare) = {
                     let mut f = frees.lock().unwrap();
                     let epoch = f.push(2, Pending::Range { id: 2, pages: 1 });
-                    (epoch, f.spare_event().expect("a spare event"))
+                    (epoch, f.event_to_record(1).expect("an event to record"))
                 };
                 let i = spare.0 as usize;
                 device.latest[i].fetch_add(1, Ordering::SeqCst);

@@ -236,7 +236,7 @@ impl Heap {
                 let epoch = self.streams.push(s, Pending::Mark);
                 self.quarantine.extend(tail.iter().map(|&c| (c, s, epoch)));
                 self.retire_after(va, len, tail, Some((s, epoch)));
-                Some((s, epoch, self.streams.entry(s).spare_event()))
+                Some((s, epoch, self.streams.entry(s).event_to_record(super::EVENTS_IN_FLIGHT)))
             }
             None => {
                 for &c in &tail {
