@@ -8,6 +8,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 use moonbright::driver::CallCounts;
 use moonbright::Allocator;
+use moonbright::CallKind;
 
 use crate::cu::{ck, Gpu, Stream};
 use crate::{mb_options, Res, GIB, MIB};
@@ -413,6 +414,8 @@ pub struct RawVmm {
     own_region: bool,
     /// (address, mapped bytes, reserved bytes, handles).
     live: Vec<(u64, u64, u64, Vec<u64>)>,
+    /// Time in each kind of call so far, as MoonBright's driver layer keeps it.
+    times: moonbright::driver::CallTimes,
 }
 
 impl RawVmm {
@@ -436,6 +439,7 @@ impl RawVmm {
             per_page,
             own_region,
             live: Vec::new(),
+            times: Default::default(),
         })
     }
 
@@ -456,15 +460,35 @@ impl RawVmm {
     }
 }
 
+impl RawVmm {
+    /// Runs one driver call, adding its time to `kind`.
+    fn timed(&mut self, kind: CallKind, call: impl FnOnce() -> sys::CUresult) -> sys::CUresult {
+        let t = std::time::Instant::now();
+        let r = call();
+        let ns = t.elapsed().as_nanos() as u64;
+        self.times.total_ns[kind as usize] += ns;
+        let max = &mut self.times.max_ns[kind as usize];
+        *max = (*max).max(ns);
+        r
+    }
+}
+
 impl AllocPath for RawVmm {
+    fn times(&self) -> Option<moonbright::driver::CallTimes> {
+        Some(self.times)
+    }
+
     fn alloc(&mut self, size: u64) -> Res<u64> {
         let len = size.next_multiple_of(self.page);
         let (n, hsize) = if self.per_page { (len / self.page, self.page) } else { (1, len) };
         let mut handles = Vec::with_capacity(n as usize);
         for _ in 0..n {
             let mut h = 0;
-            // SAFETY: valid out-pointer and a fully initialised property struct.
-            let r = unsafe { sys::cuMemCreate(&mut h, hsize as usize, &self.gpu_prop, 0) };
+            let prop = self.gpu_prop;
+            let r = self.timed(CallKind::Create, || {
+                // SAFETY: valid out-pointer and a fully initialised property struct.
+                unsafe { sys::cuMemCreate(&mut h, hsize as usize, &prop, 0) }
+            });
             if let Err(e) = ck(r, &format!("cuMemCreate({hsize})")) {
                 self.unwind(0, 0, 0, &handles);
                 return Err(e);
@@ -474,23 +498,31 @@ impl AllocPath for RawVmm {
         let (rlen, align) =
             if self.own_region { (len.next_multiple_of(GIB), GIB) } else { (len, 0) };
         let mut va = 0;
-        // SAFETY: valid out-pointer.
-        let r = unsafe { sys::cuMemAddressReserve(&mut va, rlen as usize, align as usize, 0, 0) };
+        let r = self.timed(CallKind::Reserve, || {
+            // SAFETY: valid out-pointer.
+            unsafe { sys::cuMemAddressReserve(&mut va, rlen as usize, align as usize, 0, 0) }
+        });
         if let Err(e) = ck(r, &format!("cuMemAddressReserve({rlen})")) {
             self.unwind(0, 0, 0, &handles);
             return Err(e);
         }
         for (i, &h) in handles.iter().enumerate() {
             let at = va + i as u64 * hsize;
-            // SAFETY: `at` lies in the reservation just made; `h` is a handle of `hsize` bytes.
-            let r = unsafe { sys::cuMemMap(at, hsize as usize, 0, h, 0) };
+            let r = self.timed(CallKind::Map, || {
+                // SAFETY: `at` lies in the reservation just made; `h` is a handle of `hsize`
+                // bytes.
+                unsafe { sys::cuMemMap(at, hsize as usize, 0, h, 0) }
+            });
             if let Err(e) = ck(r, "cuMemMap") {
                 self.unwind(va, rlen, i as u64 * hsize, &handles);
                 return Err(e);
             }
         }
-        // SAFETY: the range is fully mapped; one descriptor.
-        let r = unsafe { sys::cuMemSetAccess(va, len as usize, &self.access, 1) };
+        let access = self.access;
+        let r = self.timed(CallKind::SetAccess, || {
+            // SAFETY: the range is fully mapped; one descriptor.
+            unsafe { sys::cuMemSetAccess(va, len as usize, &access, 1) }
+        });
         if let Err(e) = ck(r, "cuMemSetAccess") {
             self.unwind(va, rlen, len, &handles);
             return Err(e);
@@ -502,13 +534,19 @@ impl AllocPath for RawVmm {
     fn free(&mut self, ptr: u64) -> Res<()> {
         let i = self.live.iter().position(|l| l.0 == ptr).ok_or("raw VMM: unknown pointer")?;
         let (va, len, rlen, handles) = self.live.swap_remove(i);
-        // SAFETY: the range is mapped by this path and no work uses it.
-        ck(unsafe { sys::cuMemUnmap(va, len as usize) }, "cuMemUnmap")?;
+        let r = self.timed(CallKind::Unmap, || {
+            // SAFETY: the range is mapped by this path and no work uses it.
+            unsafe { sys::cuMemUnmap(va, len as usize) }
+        });
+        ck(r, "cuMemUnmap")?;
         // SAFETY: the reservation was made by `alloc` and is now unmapped.
         ck(unsafe { sys::cuMemAddressFree(va, rlen as usize) }, "cuMemAddressFree")?;
         for h in handles {
-            // SAFETY: each handle was created by `alloc` and is released once.
-            ck(unsafe { sys::cuMemRelease(h) }, "cuMemRelease")?;
+            let r = self.timed(CallKind::Release, || {
+                // SAFETY: each handle was created by `alloc` and is released once.
+                unsafe { sys::cuMemRelease(h) }
+            });
+            ck(r, "cuMemRelease")?;
         }
         Ok(())
     }

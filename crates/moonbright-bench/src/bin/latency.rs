@@ -610,9 +610,17 @@ fn run() -> Res<()> {
     }
     println!("\n== alloc+free latency");
     print_rows(&rows);
-    println!("\n== MoonBright cold maps: us per repetition in each virtual-memory call");
-    for r in rows.iter().filter(|r| matches!(r.path, PathKind::MbCold | PathKind::MbColdBesideLive))
-    {
+    println!("\n== cold maps: us per repetition in each virtual-memory call (means)");
+    let cold_rows = rows.iter().filter(|r| {
+        matches!(
+            r.path,
+            PathKind::MbCold
+                | PathKind::MbColdBesideLive
+                | PathKind::RawVmm
+                | PathKind::RawVmmOwnRegion
+        )
+    });
+    for r in cold_rows {
         let calls: Vec<String> =
             r.vmm_us_per_rep.iter().flatten().map(|(k, us)| format!("{k} {us:.1}")).collect();
         println!(
