@@ -162,9 +162,12 @@ struct Row {
     vmm_us_per_rep: Option<BTreeMap<String, f64>>,
     /// Rounds merged into this row (`ROUNDS` for the interleaved paths).
     rounds: usize,
-    /// Each timed repetition's alloc and free, for merging rounds.
+    /// The alloc's time outside timed virtual-memory calls (reserve, create, map, set access,
+    /// unmap, release), for paths that time them: the allocator's own work and other calls.
+    alloc_outside_vmm_us: Option<Summary>,
+    /// Each timed repetition's alloc, free and alloc outside VMM calls, for merging rounds.
     #[serde(skip)]
-    samples: (Vec<f64>, Vec<f64>),
+    samples: (Vec<f64>, Vec<f64>, Vec<f64>),
 }
 
 impl Row {
@@ -174,6 +177,10 @@ impl Row {
         let (n0, n1) = (n(&self), n(&o));
         self.samples.0.extend(o.samples.0);
         self.samples.1.extend(o.samples.1);
+        self.samples.2.extend(o.samples.2);
+        if !self.samples.2.is_empty() {
+            self.alloc_outside_vmm_us = Some(Summary::of(&self.samples.2));
+        }
         let pair: Vec<f64> =
             self.samples.0.iter().zip(&self.samples.1).map(|(a, f)| a + f).collect();
         self.alloc_us = Summary::of(&self.samples.0);
@@ -229,14 +236,19 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
     }
     let (c0, h0, vmm0) = (p.counts(), p.cache_hits(), p.times());
     let (mut a, mut f, mut pair) = (Vec::new(), Vec::new(), Vec::new());
+    let mut outside = Vec::new();
     let mut with_map = 0;
     for _ in 0..n {
         p.prepare()?;
-        let k0 = p.counts();
+        let (k0, v0) = (p.counts(), p.times());
         let t0 = Instant::now();
         let x = p.alloc(size)?;
         let ta = us_since(t0);
-        let k1 = p.counts();
+        let (k1, v1) = (p.counts(), p.times());
+        if let (Some(v0), Some(v1)) = (v0, v1) {
+            let ns: u64 = v1.total_ns.iter().zip(&v0.total_ns).map(|(b, a)| b - a).sum();
+            outside.push(ta - ns as f64 / 1e3);
+        }
         let t1 = Instant::now();
         p.free(x)?;
         let tf = us_since(t1);
@@ -272,7 +284,8 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
         driver_calls: c1.zip(c0).map(|(b, a)| call_delta(&b, &a)),
         vmm_us_per_rep,
         rounds: 1,
-        samples: (a, f),
+        alloc_outside_vmm_us: (!outside.is_empty()).then(|| Summary::of(&outside)),
+        samples: (a, f, outside),
     })
 }
 
@@ -620,7 +633,7 @@ fn run() -> Res<()> {
                 | PathKind::RawVmmOwnRegion
         )
     });
-    for r in cold_rows {
+    for r in cold_rows.clone() {
         let calls: Vec<String> =
             r.vmm_us_per_rep.iter().flatten().map(|(k, us)| format!("{k} {us:.1}")).collect();
         println!(
@@ -630,6 +643,18 @@ fn run() -> Res<()> {
             r.alloc_us.p50,
             calls.join(", ")
         );
+    }
+    println!("  alloc p50 outside the timed calls (the allocator's own work, other driver calls):");
+    for r in cold_rows {
+        if let Some(o) = &r.alloc_outside_vmm_us {
+            println!(
+                "  {:>7}  {:<24} {:>8.2} (p99 {:.2})",
+                human(r.size),
+                r.label,
+                o.p50,
+                o.p99
+            );
+        }
     }
     println!("  alloc p50 over raw VMM's, in its own region / where the driver places it:");
     for &size in &SIZES {
