@@ -647,13 +647,7 @@ fn run() -> Res<()> {
     println!("  alloc p50 outside the timed calls (the allocator's own work, other driver calls):");
     for r in cold_rows {
         if let Some(o) = &r.alloc_outside_vmm_us {
-            println!(
-                "  {:>7}  {:<24} {:>8.2} (p99 {:.2})",
-                human(r.size),
-                r.label,
-                o.p50,
-                o.p99
-            );
+            println!("  {:>7}  {:<24} {:>8.2} (p99 {:.2})", human(r.size), r.label, o.p50, o.p99);
         }
     }
     println!("  alloc p50 over raw VMM's, in its own region / where the driver places it:");

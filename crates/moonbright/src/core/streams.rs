@@ -475,47 +475,43 @@ mod loom_model {
         }
     }
 
-    /// Two events listed in the opposite order to their records on the stream: the second
-    /// completes first, which makes the first redundant, and it becomes spare while its record
-    /// is still pending. A third free may record it again at once. That free must not complete.
-    #[test]
-    fn a_redundant_event_reused_while_pending_completes_nothing_early() {
+    /// One model: `setup` lists frees and events (event `i` has `latest[i]` records so far); the
+    /// device completes event `completes`'s first record while two pollers run and a late free
+    /// (range `late`) records the event `event_to_record(cap)` gives, if any. That record never
+    /// completes, so the late free must never be completed.
+    fn check_late_free(
+        latest: [u64; 2],
+        completes: usize,
+        cap: usize,
+        late: u32,
+        setup: fn(&mut StreamFrees),
+    ) {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(3);
-        builder.check(|| {
+        builder.check(move || {
             let device = Arc::new(Device {
-                latest: [AtomicU64::new(1), AtomicU64::new(1)],
+                latest: latest.map(AtomicU64::new),
                 completed: [AtomicU64::new(0), AtomicU64::new(0)],
             });
             let frees = Arc::new(Mutex::new(StreamFrees::default()));
+            setup(&mut frees.lock().unwrap());
             let completed_items = Arc::new(Mutex::new(Vec::new()));
-            {
-                let mut f = frees.lock().unwrap();
-                let e1 = f.push(1, Pending::Range { id: 1, pages: 1 });
-                let e2 = f.push(2, Pending::Range { id: 2, pages: 1 });
-                f.recorded(e1, EventHandle(0));
-                f.recorded(e2, EventHandle(1));
-            }
-            // Event 1's record completes; event 0's (later on the stream) never does here.
             let d = device.clone();
-            let dev = thread::spawn(move || d.completed[1].store(1, Ordering::SeqCst));
+            let dev = thread::spawn(move || d.completed[completes].store(1, Ordering::SeqCst));
             let pollers: Vec<_> = (0..2)
                 .map(|_| {
                     let (f, d, o) = (frees.clone(), device.clone(), completed_items.clone());
                     thread::spawn(move || poll(&f, &d, &o))
                 })
                 .collect();
-            // A third free records whatever event is spare by then, if any.
-            {
-                let (epoch, spare) = {
-                    let mut f = frees.lock().unwrap();
-                    let epoch = f.push(3, Pending::Range { id: 3, pages: 1 });
-                    (epoch, f.event_to_record(2))
-                };
-                if let Some(ev) = spare {
-                    device.latest[ev.0 as usize].fetch_add(1, Ordering::SeqCst);
-                    frees.lock().unwrap().recorded(epoch, ev);
-                }
+            let (epoch, event) = {
+                let mut f = frees.lock().unwrap();
+                let epoch = f.push(u64::from(late), Pending::Range { id: late, pages: 1 });
+                (epoch, f.event_to_record(cap))
+            };
+            if let Some(ev) = event {
+                device.latest[ev.0 as usize].fetch_add(1, Ordering::SeqCst);
+                frees.lock().unwrap().recorded(epoch, ev);
             }
             dev.join().unwrap();
             for p in pollers {
@@ -523,60 +519,33 @@ mod loom_model {
             }
             let done = completed_items.lock().unwrap();
             assert!(
-                !done.contains(&Pending::Range { id: 3, pages: 1 }),
-                "the third free completed though no record after it did"
+                !done.contains(&Pending::Range { id: late, pages: 1 }),
+                "the late free completed though no record after it did"
             );
         });
     }
 
+    /// A free covered by event 0's first record, which completes; a second free records event
+    /// 0 again (at a cap of 1) or the spare event 1 (once a poller has completed event 0).
     #[test]
     fn pollers_never_complete_a_free_early() {
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(3);
-        builder.check(|| {
-            let device = Arc::new(Device {
-                latest: [AtomicU64::new(1), AtomicU64::new(0)],
-                completed: [AtomicU64::new(0), AtomicU64::new(0)],
-            });
-            let frees = Arc::new(Mutex::new(StreamFrees::default()));
-            let completed_items = Arc::new(Mutex::new(Vec::new()));
-            {
-                // The first free, covered by event 0's first record.
-                let mut f = frees.lock().unwrap();
-                let e = f.push(1, Pending::Range { id: 1, pages: 1 });
-                f.recorded(e, EventHandle(0));
-                f.return_event(EventHandle(1));
-            }
-            // The device completes event 0's first record.
-            let d = device.clone();
-            let dev = thread::spawn(move || d.completed[0].store(1, Ordering::SeqCst));
-            let pollers: Vec<_> = (0..2)
-                .map(|_| {
-                    let (f, d, o) = (frees.clone(), device.clone(), completed_items.clone());
-                    thread::spawn(move || poll(&f, &d, &o))
-                })
-                .collect();
-            // A second free on the same stream, recorded with whatever event is spare (event 0
-            // again once a poller has completed it); that record never completes here.
-            {
-                let (epoch, spare) = {
-                    let mut f = frees.lock().unwrap();
-                    let epoch = f.push(2, Pending::Range { id: 2, pages: 1 });
-                    (epoch, f.event_to_record(1).expect("an event to record"))
-                };
-                let i = spare.0 as usize;
-                device.latest[i].fetch_add(1, Ordering::SeqCst);
-                frees.lock().unwrap().recorded(epoch, spare);
-            }
-            dev.join().unwrap();
-            for p in pollers {
-                p.join().unwrap();
-            }
-            let done = completed_items.lock().unwrap();
-            assert!(
-                !done.contains(&Pending::Range { id: 2, pages: 1 }),
-                "the second free completed though its event never did"
-            );
+        check_late_free([1, 0], 0, 1, 2, |f| {
+            let e = f.push(1, Pending::Range { id: 1, pages: 1 });
+            f.recorded(e, EventHandle(0));
+            f.return_event(EventHandle(1));
+        });
+    }
+
+    /// Two events listed in the opposite order to their records on the stream: the second
+    /// completes first, which makes the first redundant, and it becomes spare while its record
+    /// is still pending. A third free may record it again at once.
+    #[test]
+    fn a_redundant_event_reused_while_pending_completes_nothing_early() {
+        check_late_free([1, 1], 1, 2, 3, |f| {
+            let e1 = f.push(1, Pending::Range { id: 1, pages: 1 });
+            let e2 = f.push(2, Pending::Range { id: 2, pages: 1 });
+            f.recorded(e1, EventHandle(0));
+            f.recorded(e2, EventHandle(1));
         });
     }
 }
