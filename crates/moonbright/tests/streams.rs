@@ -211,6 +211,31 @@ fn a_poll_after_a_burst_of_frees_asks_one_event_per_stream() {
     a.check_invariants().unwrap();
 }
 
+/// A failed query of the newest event falls back to the older ones: what they cover completes
+/// at once, the rest at the next poll, and the error is kept for the user.
+#[test]
+fn a_failed_query_of_the_newest_event_still_completes_the_older_ones() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let ptrs: Vec<u64> = (0..3).map(|_| a.malloc_async(3 * PAGE, s[0]).unwrap()).collect();
+    for &p in &ptrs {
+        a.free_async(p, s[0]).unwrap();
+    }
+    host(&a).release_stream(s[0]);
+    a.driver().fail_nth(CallKind::EventQuery, 1, None);
+    assert!(a.poll(), "the older events completed");
+    assert!(a.take_deferred_error().is_some(), "the failed query went unrecorded");
+    // The first two frees are another stream's at once; the third waits for the next poll.
+    let hits = a.stats().cache_hits;
+    let got: Vec<u64> = (0..2).map(|_| a.malloc_async(3 * PAGE, s[1]).unwrap()).collect();
+    assert_eq!(a.stats().cache_hits, hits + 2);
+    assert!(got.iter().all(|g| ptrs[..2].contains(g)));
+    assert!(a.poll());
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), ptrs[2]);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn the_window_serves_new_sizes_without_mapping() {
     let a = Allocator::new(Options {
