@@ -176,20 +176,24 @@ fn a_burst_of_frees_records_stocked_events_without_creating_any() {
     a.check_invariants().unwrap();
 }
 
-/// A poll asks each stream's newest event first: a burst of frees whose events have all
-/// completed costs one query, and every event comes back for the next frees.
+/// A burst of frees keeps at most 8 events in flight; a poll asks each stream's newest event
+/// first, so a burst whose events have all completed costs one query, and every event comes
+/// back for the next frees.
 #[test]
 fn a_poll_after_a_burst_of_frees_asks_one_event_per_stream() {
     let a = Allocator::new(opts(false)).unwrap();
     let s = streams(&a, 2);
     let queries = || a.stats().driver_calls.get(CallKind::EventQuery);
     let records = || a.stats().driver_calls.get(CallKind::EventRecord);
+    let creates = || a.stats().driver_calls.get(CallKind::EventCreate);
     host(&a).hold_stream(s[0]);
     let ptrs: Vec<u64> = (0..50).map(|_| a.malloc_async(1000, s[0]).unwrap()).collect();
     for p in ptrs {
         a.free_async(p, s[0]).unwrap();
     }
     assert_eq!(records(), 50);
+    // Past 8 events in flight, each free records the stream's newest again.
+    assert_eq!(creates(), 8, "a stream kept more than 8 events in flight");
     // Held: the newest is pending, then the oldest is, and the poll stops there.
     let q0 = queries();
     assert!(!a.poll());
@@ -202,12 +206,12 @@ fn a_poll_after_a_burst_of_frees_asks_one_event_per_stream() {
     assert!(!a.poll());
     assert_eq!(queries(), q2, "no event is left to ask");
     // Every event is spare again: another burst creates none.
-    let created = a.stats().driver_calls.get(CallKind::EventCreate);
+    let created = creates();
     let ptrs: Vec<u64> = (0..50).map(|_| a.malloc_async(1000, s[1]).unwrap()).collect();
     for p in ptrs {
         a.free_async(p, s[0]).unwrap();
     }
-    assert_eq!(a.stats().driver_calls.get(CallKind::EventCreate), created);
+    assert_eq!(creates(), created);
     a.check_invariants().unwrap();
 }
 
