@@ -3,7 +3,11 @@
 //! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
 //! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+// Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
+// DoS-resistant one.
+use foldhash::{HashMap, HashMapExt};
 
 use super::chunks::Chunks;
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};

@@ -2,7 +2,11 @@
 //! here until an event recorded after their free has completed; until then only their own stream
 //! may reuse them (stream order makes that safe), by exact size. Pure bookkeeping.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+// Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
+// DoS-resistant one.
+use foldhash::HashMap;
 
 use crate::driver::EventHandle;
 

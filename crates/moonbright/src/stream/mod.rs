@@ -137,8 +137,7 @@ impl Shared {
                 Fast::NeedRange { pages, arena } => (pages, arena),
             }
         };
-        let id = self.new_range(pages, size, s)?;
-        let mut heap = self.heap();
+        let (id, mut heap) = self.new_range(pages, size, s)?;
         let ptr = heap.finish(id, size, s, arena);
         self.validated(&heap);
         drop(heap);
@@ -206,7 +205,13 @@ impl Shared {
 
     /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
     /// reservation or a flush, and waiting for other streams' frees before reporting OOM.
-    fn new_range(&self, pages: u64, requested: u64, stream: u64) -> Result<RangeId> {
+    /// Returns the heap still locked from the commit, for the caller to finish the request.
+    fn new_range(
+        &self,
+        pages: u64,
+        requested: u64,
+        stream: u64,
+    ) -> Result<(RangeId, MutexGuard<'_, Heap>)> {
         // Frees whose events have completed are free memory: look before mapping anything new
         // (a few event queries, on the slow path only), rather than wait for the worker's tick.
         self.poll_events();
@@ -221,7 +226,7 @@ impl Shared {
                     heap.note_request_map(&plan);
                     let r = heap.commit(plan, ex);
                     self.validated(&heap);
-                    return r;
+                    return r.map(|id| (id, heap));
                 }
                 Step::Reserve(len) => {
                     let page = self.driver.granularity();

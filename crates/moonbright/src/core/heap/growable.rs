@@ -324,8 +324,8 @@ impl Heap {
     /// spans, and the allocated and active bytes they account for.
     pub(super) fn check_growables(
         &self,
-        owners: &mut std::collections::HashMap<ChunkId, u32>,
-        maps: &mut std::collections::HashMap<ChunkId, u32>,
+        owners: &mut foldhash::HashMap<ChunkId, u32>,
+        maps: &mut foldhash::HashMap<ChunkId, u32>,
         spans: &mut Vec<(u64, u64, &'static str)>,
     ) -> std::result::Result<(u64, u64), String> {
         let page = self.lim.page;
