@@ -75,8 +75,8 @@ pub struct Mb {
     held: Vec<u64>,
     /// The window's size when the mapper has nothing left to do.
     full_window: u64,
-    /// Window path: timed requests left in the current run.
-    left_in_run: usize,
+    /// Window path: its place in the current run.
+    run: RunCursor,
 }
 
 /// Bytes the window paths keep live before giving them back (the H200 has 139 GiB; the 8 GiB
@@ -101,6 +101,27 @@ pub fn run_len(size: u64) -> usize {
 /// The window for runs of `size`: a whole run, at least 1 GiB.
 pub fn run_window(size: u64) -> u64 {
     (run_len(size) as u64 * size).max(GIB)
+}
+
+/// Where a path is in its run of `run_len` fresh requests: `prepare` makes the first two of a
+/// run untimed, and the rest are the timed repetitions.
+#[derive(Debug, Default)]
+struct RunCursor {
+    /// Timed requests left in the current run.
+    left: usize,
+}
+
+impl RunCursor {
+    /// Called once a repetition: whether it starts a new run (the caller then sets it up and
+    /// makes its two untimed requests).
+    fn starts_run(&mut self, len: usize) -> bool {
+        if self.left > 0 {
+            self.left -= 1;
+            return false;
+        }
+        self.left = len - 3;
+        true
+    }
 }
 
 impl Mb {
@@ -150,12 +171,10 @@ impl Mb {
             next_window_size: size.next_multiple_of(page),
             held,
             full_window: window.next_multiple_of(page),
-            left_in_run: 0,
+            run: RunCursor::default(),
         })
     }
-}
 
-impl Mb {
     /// Window paths: gives the held ranges back, and the window with them, when `more`
     /// requests would take them past `HELD_AT_MOST` (a freed range would serve the next
     /// request from the cache, so the mapper starts again).
@@ -208,17 +227,15 @@ impl AllocPath for Mb {
         match self.mode {
             MbMode::Cache => Ok(()),
             MbMode::Window => {
-                if self.left_in_run > 0 {
-                    self.left_in_run -= 1;
+                let len = run_len(self.next_window_size);
+                if !self.run.starts_run(len) {
                     return Ok(());
                 }
-                let run = run_len(self.next_window_size);
-                self.give_back_if_over(run)?;
+                self.give_back_if_over(len)?;
                 self.wait_for_window(self.full_window)?;
                 for _ in 0..2 {
                     self.untimed_window_hit()?;
                 }
-                self.left_in_run = run - 3;
                 Ok(())
             }
             MbMode::WindowIdle => {
@@ -287,6 +304,8 @@ impl AllocPath for CuMalloc {
 /// release threshold at `u64::MAX` (a warm pool: what cudaMallocAsync gives).
 pub struct CuAsync {
     stream: Stream,
+    /// The device's default pool.
+    pool: sys::CUmemoryPool,
 }
 
 impl CuAsync {
@@ -305,7 +324,14 @@ impl CuAsync {
             )
         };
         ck(r, "cuMemPoolSetAttribute(RELEASE_THRESHOLD, u64::MAX)")?;
-        Ok(CuAsync { stream: Stream::new(true)? })
+        Ok(CuAsync { stream: Stream::new(true)?, pool })
+    }
+
+    /// Gives the pool's unused memory back to the device.
+    fn trim(&self) {
+        // SAFETY: `pool` is the device's default pool; a trim releases only memory that no
+        // allocation uses.
+        let _ = unsafe { sys::cuMemPoolTrimTo(self.pool, 0) };
     }
 }
 
@@ -335,10 +361,9 @@ impl Drop for CuAsync {
 /// timed ones are the third and later, as for `MbMode::Window`. Its free is a no-op.
 pub struct CuAsyncFresh {
     pool: CuAsync,
-    device: sys::CUdevice,
     size: u64,
     held: Vec<u64>,
-    left_in_run: usize,
+    run: RunCursor,
 }
 
 impl CuAsyncFresh {
@@ -349,14 +374,13 @@ impl CuAsyncFresh {
             pool.free(p)?;
         }
         pool.stream.sync()?;
-        Ok(CuAsyncFresh { pool, device: gpu.device, size, held: Vec::new(), left_in_run: 0 })
+        Ok(CuAsyncFresh { pool, size, held: Vec::new(), run: RunCursor::default() })
     }
 }
 
 impl AllocPath for CuAsyncFresh {
     fn prepare(&mut self) -> Res<()> {
-        if self.left_in_run > 0 {
-            self.left_in_run -= 1;
+        if !self.run.starts_run(run_len(self.size)) {
             return Ok(());
         }
         for p in std::mem::take(&mut self.held) {
@@ -367,7 +391,6 @@ impl AllocPath for CuAsyncFresh {
             let p = self.pool.alloc(self.size)?;
             self.held.push(p);
         }
-        self.left_in_run = run_len(self.size) - 3;
         Ok(())
     }
     fn alloc(&mut self, size: u64) -> Res<u64> {
@@ -387,15 +410,7 @@ impl Drop for CuAsyncFresh {
         // Give the run's memory back to the device (up to 32 GiB at 8 GiB): the paths measured
         // later need it. The warm-pool paths warm up again.
         if self.pool.stream.sync().is_ok() {
-            let mut pool: sys::CUmemoryPool = ptr::null_mut();
-            // SAFETY: valid out-pointer; the device is the pool's.
-            if unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.device) }
-                == sys::CUresult::CUDA_SUCCESS
-            {
-                // SAFETY: `pool` is the device's default pool; a trim releases only memory that
-                // no allocation uses.
-                let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
-            }
+            self.pool.trim();
         }
     }
 }
@@ -458,9 +473,7 @@ impl RawVmm {
             }
         }
     }
-}
 
-impl RawVmm {
     /// Runs one driver call, adding its time to `kind`.
     fn timed(&mut self, kind: CallKind, call: impl FnOnce() -> sys::CUresult) -> sys::CUresult {
         let t = std::time::Instant::now();
@@ -557,5 +570,21 @@ impl Drop for RawVmm {
         for (va, len, rlen, handles) in std::mem::take(&mut self.live) {
             self.unwind(va, rlen, len, &handles);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_cursor_times_all_but_the_first_two_of_each_run() {
+        let mut c = RunCursor::default();
+        // Repetitions of two runs of 5: each run's set-up makes 2 untimed requests, so 3 timed.
+        let starts: Vec<bool> = (0..6).map(|_| c.starts_run(5)).collect();
+        assert_eq!(starts, vec![true, false, false, true, false, false]);
+        assert_eq!(run_len(GIB), 16);
+        assert_eq!(run_len(8 * GIB), 4);
+        assert_eq!(run_window(2 * MIB), GIB, "at least 1 GiB");
     }
 }

@@ -84,10 +84,7 @@ impl Probe {
             }
             std::hint::spin_loop();
         }
-        let t = Instant::now();
-        while t.elapsed() < self.settle {
-            std::hint::spin_loop();
-        }
+        spin(self.settle);
         Ok(())
     }
 
@@ -190,10 +187,7 @@ fn pool_times(gpu: &Gpu, size: u64, reps: usize, settle: Duration) -> Res<(Vec<f
     let mut pool = CuAsync::new(gpu)?;
     let (mut first, mut second) = (Vec::new(), Vec::new());
     for _ in 0..reps + 1 {
-        let t = Instant::now();
-        while t.elapsed() < settle {
-            std::hint::spin_loop();
-        }
+        spin(settle);
         let t = Instant::now();
         let a = pool.alloc(size)?;
         first.push(us_since(t));
@@ -325,12 +319,11 @@ fn run_probe(args: &Args, k: usize) -> Res<Vec<RunRow>> {
                     opts.host_capacity = 64 * GIB;
                 }
                 let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+                // Busy: no settle, so the mapper is still refilling when the run starts.
+                let settle = if mode == "busy" { Duration::ZERO } else { settle };
                 let mut p = Probe { alloc, stream, settle, held: vec![] };
                 for _ in 0..runs {
                     p.reset()?;
-                    if mode == "busy" {
-                        p.settle = Duration::ZERO;
-                    }
                     p.wait_full(bytes)?;
                     let hits0 = p.alloc.stats().window_hits;
                     for v in by_pos.iter_mut() {
@@ -356,6 +349,7 @@ fn run_probe(args: &Args, k: usize) -> Res<Vec<RunRow>> {
     Ok(rows)
 }
 
+/// Waits `d`, spinning (a sleep would leave the core idle, and the next request cold).
 fn spin(d: Duration) {
     let t = Instant::now();
     while t.elapsed() < d {

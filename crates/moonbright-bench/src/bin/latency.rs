@@ -154,7 +154,7 @@ struct Row {
     cache_hits: Option<u64>,
     /// MoonBright: timed repetitions whose malloc made a create, map or set-access call (a
     /// background worker's call in that window counts too).
-    mallocs_with_map_calls: Option<usize>,
+    mallocs_with_map_calls: Option<u64>,
     /// MoonBright: every driver call during the timed repetitions (background workers included).
     driver_calls: Option<BTreeMap<String, u64>>,
     /// MoonBright: microseconds a timed repetition spent in each kind of virtual-memory call, on
@@ -171,6 +171,16 @@ struct Row {
 }
 
 impl Row {
+    /// The summaries, from the samples.
+    fn summarise(&mut self) {
+        let (a, f, outside) = &self.samples;
+        let pair: Vec<f64> = a.iter().zip(f).map(|(a, f)| a + f).collect();
+        self.alloc_us = Summary::of(a);
+        self.free_us = Summary::of(f);
+        self.pair_us = Summary::of(&pair);
+        self.alloc_outside_vmm_us = (!outside.is_empty()).then(|| Summary::of(outside));
+    }
+
     /// `self` and a later round of the same path and size, as one row.
     fn merge(mut self, o: Row) -> Row {
         let n = |r: &Row| r.samples.0.len() as f64;
@@ -178,21 +188,10 @@ impl Row {
         self.samples.0.extend(o.samples.0);
         self.samples.1.extend(o.samples.1);
         self.samples.2.extend(o.samples.2);
-        if !self.samples.2.is_empty() {
-            self.alloc_outside_vmm_us = Some(Summary::of(&self.samples.2));
-        }
-        let pair: Vec<f64> =
-            self.samples.0.iter().zip(&self.samples.1).map(|(a, f)| a + f).collect();
-        self.alloc_us = Summary::of(&self.samples.0);
-        self.free_us = Summary::of(&self.samples.1);
-        self.pair_us = Summary::of(&pair);
+        self.summarise();
         let add = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a + b);
         self.cache_hits = add(self.cache_hits, o.cache_hits);
-        self.mallocs_with_map_calls = add(
-            self.mallocs_with_map_calls.map(|x| x as u64),
-            o.mallocs_with_map_calls.map(|x| x as u64),
-        )
-        .map(|x| x as usize);
+        self.mallocs_with_map_calls = add(self.mallocs_with_map_calls, o.mallocs_with_map_calls);
         if let (Some(a), Some(b)) = (self.driver_calls.as_mut(), o.driver_calls) {
             for (k, v) in b {
                 *a.entry(k).or_default() += v;
@@ -235,7 +234,7 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
         p.free(x)?;
     }
     let (c0, h0, vmm0) = (p.counts(), p.cache_hits(), p.times());
-    let (mut a, mut f, mut pair) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut a, mut f) = (Vec::new(), Vec::new());
     let mut outside = Vec::new();
     let mut with_map = 0;
     for _ in 0..n {
@@ -259,7 +258,6 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
         }
         a.push(ta);
         f.push(tf);
-        pair.push(ta + tf);
     }
     let (c1, h1, vmm1) = (p.counts(), p.cache_hits(), p.times());
     let vmm_us_per_rep = vmm1.zip(vmm0).map(|(b, a)| {
@@ -272,21 +270,23 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
             })
             .collect()
     });
-    Ok(Row {
+    let mut row = Row {
         path: kind,
         label: kind.label(),
         size,
-        alloc_us: Summary::of(&a),
-        free_us: Summary::of(&f),
-        pair_us: Summary::of(&pair),
+        alloc_us: Summary::default(),
+        free_us: Summary::default(),
+        pair_us: Summary::default(),
         cache_hits: h1.zip(h0).map(|(b, a)| b - a),
         mallocs_with_map_calls: c0.as_ref().map(|_| with_map),
         driver_calls: c1.zip(c0).map(|(b, a)| call_delta(&b, &a)),
         vmm_us_per_rep,
         rounds: 1,
-        alloc_outside_vmm_us: (!outside.is_empty()).then(|| Summary::of(&outside)),
+        alloc_outside_vmm_us: None,
         samples: (a, f, outside),
-    })
+    };
+    row.summarise();
+    Ok(row)
 }
 
 #[derive(Debug, Serialize)]
