@@ -11,6 +11,10 @@
 //! next. On the GPU, `pool` does the same with `cuMemAllocAsync` from a warm default pool (after
 //! the same idle spell, two allocations back to back): the comparator's own first and second.
 //! `--host` runs MoonBright's cases on the host backend, on any machine.
+//!
+//! `--disturb` asks why a first hit is slow: it times hits of MoonBright and of the pool right
+//! after this thread evicted the CPU caches, or unmapped memory (a TLB flush), as a mapper's
+//! driver calls on another core may do.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -46,6 +50,9 @@ struct Args {
     /// Instead: where a cache-hit pair's time goes (`free_parts`).
     #[arg(long)]
     free_parts: bool,
+    /// Instead: hits right after the CPU caches or the TLB were disturbed (`disturb_probe`).
+    #[arg(long)]
+    disturb: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -255,6 +262,147 @@ fn free_parts(args: &Args) -> Res<Vec<(String, Summary)>> {
     Ok(rows)
 }
 
+/// What `disturb_probe` does to the CPU just before a timed request.
+#[derive(Clone, Copy, Debug)]
+enum Disturb {
+    None,
+    /// Writes a buffer twice the size of any last-level cache, a line at a time.
+    EvictCaches,
+    /// Maps, touches and unmaps 64 MiB (above glibc's largest mmap threshold, so the free
+    /// unmaps): the kernel flushes this thread's TLB.
+    FlushTlb,
+}
+
+impl Disturb {
+    const ALL: [Disturb; 3] = [Disturb::None, Disturb::EvictCaches, Disturb::FlushTlb];
+
+    fn run(self, buf: &mut [u8]) {
+        match self {
+            Disturb::None => {}
+            Disturb::EvictCaches => {
+                for i in (0..buf.len()).step_by(64) {
+                    buf[i] = buf[i].wrapping_add(1);
+                }
+                std::hint::black_box(&buf);
+            }
+            Disturb::FlushTlb => {
+                let mut v = vec![0u8; 64 << 20];
+                for i in (0..v.len()).step_by(4096) {
+                    v[i] = 1;
+                }
+                std::hint::black_box(&v);
+            }
+        }
+    }
+}
+
+/// Hits of 64 MiB right after each `Disturb`, interleaved (p50, p99 in us), for MoonBright's
+/// window hit (kept live; the window holds 64 requests and is refilled, and the mapper left
+/// idle 2 ms, after every 48), MoonBright's cache hit (an alloc+free pair, the alloc timed),
+/// and on the GPU `cuMemAllocAsync` kept live from a pool warmed with 48, and its pair. If a
+/// disturbed hit costs what the first hit after a refill costs, the refill's cost to the
+/// request is the CPU state it leaves, and the gap to the pool is how much state each path
+/// touches.
+fn disturb_probe(args: &Args) -> Res<Vec<(String, Summary)>> {
+    const SIZE: u64 = 64 * MIB;
+    const PER_FILL: usize = 48;
+    let gpu = if args.host { None } else { Some(Gpu::open()?) };
+    let gpu_stream = gpu.as_ref().map(|_| Stream::new(true)).transpose()?;
+    let stream = gpu_stream.as_ref().map_or(StreamHandle(0), |s| s.handle());
+    let mut buf = vec![1u8; 1 << 30];
+    let reps = args.reps.max(PER_FILL / Disturb::ALL.len());
+    let mut opts = mb_options(None, moonbright_bench::max_chunk(), (64 * SIZE, 64 * SIZE), true);
+    if args.host {
+        opts.backend = BackendKind::Host;
+        opts.host_capacity = 64 * GIB;
+    }
+    let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+    let mut p = Probe { alloc, stream, settle: Duration::from_millis(2), held: vec![] };
+    let mut rows = Vec::new();
+    let mut window: Vec<Vec<f64>> = vec![vec![]; Disturb::ALL.len()];
+    let mut cache = window.clone();
+    for i in 0..reps * Disturb::ALL.len() {
+        if i % PER_FILL == 0 {
+            p.reset()?;
+            p.wait_full(64 * SIZE)?;
+        }
+        let k = i % Disturb::ALL.len();
+        Disturb::ALL[k].run(&mut buf);
+        let hits = p.alloc.stats().window_hits;
+        window[k].push(p.timed(|a| a.malloc_async(SIZE as usize, stream))?);
+        if p.alloc.stats().window_hits != hits + 1 {
+            return Err("a disturbed request was not a window hit".into());
+        }
+    }
+    p.reset()?;
+    // The cache path: one range freed and taken again.
+    let a = &p.alloc;
+    let warm = a.malloc_async(SIZE as usize, stream).map_err(|e| format!("malloc: {e}"))?;
+    a.free_async(warm, stream).map_err(|e| format!("free: {e}"))?;
+    for i in 0..reps * Disturb::ALL.len() {
+        let k = i % Disturb::ALL.len();
+        Disturb::ALL[k].run(&mut buf);
+        let t = Instant::now();
+        let q = a.malloc_async(SIZE as usize, stream).map_err(|e| format!("malloc: {e}"))?;
+        cache[k].push(us_since(t));
+        a.free_async(q, stream).map_err(|e| format!("free: {e}"))?;
+    }
+    for (k, d) in Disturb::ALL.iter().enumerate() {
+        rows.push((format!("mb window hit, {d:?}"), Summary::of(&window[k])));
+        rows.push((format!("mb cache hit, {d:?}"), Summary::of(&cache[k])));
+    }
+    drop(p);
+    if let Some(gpu) = &gpu {
+        use moonbright_bench::paths::{AllocPath, CuAsync};
+        let mut pool = CuAsync::new(gpu)?;
+        let (mut kept, mut pair) = (window, cache);
+        kept.iter_mut().chain(pair.iter_mut()).for_each(Vec::clear);
+        let mut live = Vec::new();
+        for i in 0..=reps * Disturb::ALL.len() {
+            if i % PER_FILL == 0 {
+                for q in live.drain(..) {
+                    pool.free(q)?;
+                }
+                moonbright_bench::cu::ctx_sync()?;
+                if i == 0 {
+                    // Warm the pool with a fill's worth.
+                    let warmup: Vec<u64> =
+                        (0..PER_FILL).map(|_| pool.alloc(SIZE)).collect::<Res<_>>()?;
+                    for q in warmup {
+                        pool.free(q)?;
+                    }
+                    moonbright_bench::cu::ctx_sync()?;
+                }
+                spin(Duration::from_millis(2));
+            }
+            let k = i % Disturb::ALL.len();
+            Disturb::ALL[k].run(&mut buf);
+            let t = Instant::now();
+            live.push(pool.alloc(SIZE)?);
+            if i > 0 {
+                kept[k].push(us_since(t));
+            }
+        }
+        for q in live.drain(..) {
+            pool.free(q)?;
+        }
+        for i in 0..reps * Disturb::ALL.len() {
+            let k = i % Disturb::ALL.len();
+            Disturb::ALL[k].run(&mut buf);
+            let t = Instant::now();
+            let q = pool.alloc(SIZE)?;
+            pair[k].push(us_since(t));
+            pool.free(q)?;
+        }
+        moonbright_bench::cu::ctx_sync()?;
+        for (k, d) in Disturb::ALL.iter().enumerate() {
+            rows.push((format!("pool kept live, {d:?}"), Summary::of(&kept[k])));
+            rows.push((format!("pool pair, {d:?}"), Summary::of(&pair[k])));
+        }
+    }
+    Ok(rows)
+}
+
 /// One run mode's figures at one size: p50 over runs of each position in the run, and of
 /// positions 3 and later together (the warm loop).
 #[derive(Debug, Serialize)]
@@ -363,6 +511,18 @@ fn main() -> ExitCode {
         if args.free_parts {
             for (what, s) in free_parts(&args)? {
                 println!("{what:<28} p50 {:.3} p99 {:.3} us", s.p50, s.p99);
+            }
+            return Ok(());
+        }
+        if args.disturb {
+            let rows = disturb_probe(&args)?;
+            println!("hitprobe --disturb: 64 MiB requests right after a disturbance, alloc only");
+            for (what, s) in &rows {
+                println!("{what:<34} p50 {:.2} p99 {:.2} us", s.p50, s.p99);
+            }
+            if let Some(p) = &args.json {
+                let rows: Vec<_> = rows.iter().map(|(w, s)| (w, s)).collect();
+                moonbright_bench::write_json(p, &rows)?;
             }
             return Ok(());
         }
