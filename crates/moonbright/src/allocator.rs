@@ -222,6 +222,12 @@ impl Allocator {
         Ok(Allocator { shared, worker, total_memory: info.total })
     }
 
+    /// The state shared with the worker, for the loom models.
+    #[cfg(all(test, loom))]
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
     /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up). The
     /// caller orders its use (as with `cudaMalloc`); see `malloc_async` for stream order.
     pub fn malloc(&self, size: usize) -> Result<DevicePtr> {

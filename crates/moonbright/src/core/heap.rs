@@ -119,6 +119,11 @@ pub(crate) enum Step {
     /// (to free addresses). A request makes these calls itself, so the narrower the better: a
     /// whole batch takes milliseconds.
     Flush(Option<ChunkId>),
+    /// Not enough free memory now, but plans or releases in flight hold some: wait until they
+    /// have committed, then plan again. (Decided under the same lock as the shortfall: a
+    /// request that looked for in-flight work later could miss work that committed meanwhile,
+    /// and fail with memory free.)
+    Wait,
     /// Not enough free memory, counting everything that is free now.
     OutOfMemory(Error),
 }
@@ -168,7 +173,6 @@ pub(crate) struct Heap {
     /// Addresses claimed by plans in flight, by plan: (va, len).
     inflight_va: HashMap<u64, (u64, u64)>,
     inflight_create_pages: u64,
-    inflight_release_pages: u64,
     next_plan: u64,
     /// Retired runs being unmapped with the lock released.
     unmapping: usize,
@@ -215,7 +219,6 @@ impl Heap {
             inflight_same_stream: HashMap::new(),
             quarantine: Vec::new(),
             inflight_create_pages: 0,
-            inflight_release_pages: 0,
             next_plan: 0,
             unmapping: 0,
             unmapping_private: Vec::new(),
@@ -618,10 +621,22 @@ impl Heap {
 
     // ---- planning new ranges --------------------------------------------------------------------
 
-    /// Free pages under the cap that no plan has claimed.
+    /// Free pages under the cap that no plan has claimed. A chunk being released still counts
+    /// as held until its release commits: another plan that created in its place could run
+    /// before the release and take the device past the cap (or out of memory).
     fn headroom(&self) -> u64 {
         let held = self.pool.held_pages() + self.inflight_create_pages;
-        (self.lim.cap / self.lim.page + self.inflight_release_pages).saturating_sub(held)
+        (self.lim.cap / self.lim.page).saturating_sub(held)
+    }
+
+    /// The step for a request `short` pages short of `requested` bytes: wait if work in flight
+    /// may free some, else out of memory.
+    fn short_of(&self, requested: u64, short: u64) -> Step {
+        if self.has_inflight() {
+            Step::Wait
+        } else {
+            Step::OutOfMemory(self.out_of_memory(requested, short))
+        }
     }
 
     /// Held pages no allocation uses, outside the window: bare chunks and cached ranges.
@@ -651,7 +666,7 @@ impl Heap {
     pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
         let free = self.free_pages_for(stream);
         if free < pages {
-            return Step::OutOfMemory(self.out_of_memory(requested, pages - free));
+            return self.short_of(requested, pages - free);
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
@@ -778,7 +793,7 @@ impl Heap {
             if self.headroom() < left {
                 self.give_back(got, same_stream);
                 self.va.recycle(va, len);
-                return Step::OutOfMemory(self.out_of_memory(requested, left));
+                return self.short_of(requested, left);
             }
             create = chunk_plan(left, cap);
         }
@@ -851,7 +866,6 @@ impl Heap {
             .collect();
         let plan = MapPlan { id, va, len, page: self.lim.page, existing, release, create, spare };
         self.inflight_create_pages += plan.created_pages();
-        self.inflight_release_pages += plan.released_pages();
         let claimed = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
         self.inflight.insert(id, claimed);
         self.inflight_va.insert(id, (va, len));
@@ -878,7 +892,6 @@ impl Heap {
         self.inflight_va.remove(&plan.id);
         let same_stream = self.inflight_same_stream.remove(&plan.id).unwrap_or_default();
         self.inflight_create_pages -= plan.created_pages();
-        self.inflight_release_pages -= plan.released_pages();
         for &(c, _, pages) in &plan.release[..ex.released] {
             self.pool.remove(c);
             self.stats.reserved_bytes.sub(self.bytes(pages));
@@ -1211,7 +1224,6 @@ impl Heap {
         }
         let id = self.next_plan;
         self.next_plan += 1;
-        self.inflight_release_pages += out.iter().map(|r| r.2).sum::<u64>();
         self.inflight.insert(id, out.iter().map(|r| r.0).collect());
         (id, out)
     }
@@ -1225,7 +1237,6 @@ impl Heap {
         released: &[bool],
     ) {
         self.inflight.remove(&id);
-        self.inflight_release_pages -= chunks.iter().map(|r| r.2).sum::<u64>();
         for (&(c, _, pages), &gone) in chunks.iter().zip(released) {
             if gone {
                 self.pool.remove(c);

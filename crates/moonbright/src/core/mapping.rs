@@ -31,11 +31,6 @@ impl MapPlan {
     pub fn created_pages(&self) -> u64 {
         self.create.iter().chain(&self.spare).sum()
     }
-
-    /// Pages this plan releases in all.
-    pub fn released_pages(&self) -> u64 {
-        self.release.iter().map(|r| r.2).sum()
-    }
 }
 
 /// What execution did.

@@ -159,7 +159,7 @@ impl StreamFrees {
     }
 
     /// A spare event, if any.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub fn spare_event(&mut self) -> Option<EventHandle> {
         self.spare_events.pop()
     }

@@ -354,6 +354,7 @@ impl<D: Driver> Instrumented<D> {
 
     /// Time spent in the virtual-memory calls so far (all zero under loom).
     pub fn times(&self) -> CallTimes {
+        #[cfg_attr(loom, allow(unused_mut))]
         let mut out = CallTimes::default();
         #[cfg(not(loom))]
         for k in CallKind::ALL {

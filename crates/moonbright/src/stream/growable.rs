@@ -57,7 +57,7 @@ impl Shared {
                     self.wake_worker();
                     return r;
                 }
-                Resize::Busy => std::thread::sleep(WAIT_STEP),
+                Resize::Busy => crate::sync::pause(WAIT_STEP),
                 Resize::Flush => {
                     // The old tail is unmapped once its shrink's stream work has completed.
                     if !self.flush()? {
@@ -92,7 +92,7 @@ impl Shared {
                     self.free_dead_growables();
                     return Ok(());
                 }
-                Resize::Busy => std::thread::sleep(WAIT_STEP),
+                Resize::Busy => crate::sync::pause(WAIT_STEP),
                 other => unreachable!("a release only shrinks: {other:?}"),
             }
         }

@@ -4,10 +4,9 @@
 //! committed under it again, so no lock a request needs is ever held across a driver call.
 
 mod growable;
+#[cfg(all(test, loom))]
+mod loom_model;
 pub(crate) mod worker;
-
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::allocator::Backend;
 use crate::config::Options;
@@ -15,6 +14,8 @@ use crate::core::heap::{Fast, Heap, RangeId, Step};
 use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{pause, Condvar, Mutex, MutexGuard};
 
 /// How long a request waits for other threads' unmaps or plans in flight before giving up.
 const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -79,7 +80,7 @@ impl Shared {
         }
         let start = std::time::Instant::now();
         while self.requests_mapping.load(Ordering::Acquire) > 0 && start.elapsed() < GIVE_WAY_MAX {
-            std::thread::yield_now();
+            crate::sync::yield_now();
         }
     }
 
@@ -236,9 +237,10 @@ impl Shared {
                 Step::Flush(only) => {
                     if !self.flush_only(only, false)? {
                         // Another thread's unmaps are in flight: let them land.
-                        std::thread::sleep(WAIT_STEP);
+                        pause(WAIT_STEP);
                     }
                 }
+                Step::Wait => pause(WAIT_STEP),
                 Step::OutOfMemory(e) => {
                     if !self.before_oom(&mut waited)? {
                         self.heap().note_oom(requested, stream);
@@ -250,14 +252,10 @@ impl Shared {
         Err(gave_up())
     }
 
-    /// What a request short of memory tries before it reports OOM: waiting for plans in flight
-    /// (pages on their way into the window, or a failed plan returning them), then once for
-    /// every stream's pending frees. Returns whether to plan again.
+    /// What a request short of memory, with nothing in flight (`Step::Wait` covers that), tries
+    /// before it reports OOM: waiting once for every stream's pending frees. Returns whether to
+    /// plan again.
     fn before_oom(&self, waited: &mut bool) -> Result<bool> {
-        if self.heap().has_inflight() {
-            std::thread::sleep(WAIT_STEP);
-            return Ok(true);
-        }
         if !*waited && self.heap().has_pending_frees() {
             *waited = true;
             self.wait_for_pending_frees()?;

@@ -27,7 +27,7 @@ const QUIET_BEFORE_REFILL: Duration = Duration::from_millis(2);
 
 /// Events kept created ahead of need: a burst of frees between two ticks records these instead
 /// of creating its own (`cuEventCreate` on the free path).
-const EVENT_STOCK: usize = 256;
+const EVENT_STOCK: usize = if cfg!(loom) { 2 } else { 256 };
 
 /// Recent demand for fresh pages, in pages a second (an exponential moving average).
 #[derive(Debug)]
@@ -49,13 +49,28 @@ impl Demand {
     }
 }
 
-/// The worker's loop; returns when `shared.stop` is set.
-pub(crate) fn run(shared: Arc<Shared>) {
-    let page = shared.driver.granularity() as u64;
-    let min_pages = shared.options.prefetch_window_min / page;
-    let max_pages = shared.options.prefetch_window_max / page;
-    let mut demand = Demand { rate: 0.0, last: Instant::now() };
-    while !shared.stop.load(Ordering::Acquire) {
+/// The worker's state between passes.
+pub(crate) struct Worker {
+    demand: Demand,
+    page: u64,
+    min_pages: u64,
+    max_pages: u64,
+}
+
+impl Worker {
+    pub fn new(shared: &Shared) -> Self {
+        let page = shared.driver.granularity() as u64;
+        Worker {
+            demand: Demand { rate: 0.0, last: Instant::now() },
+            page,
+            min_pages: shared.options.prefetch_window_min / page,
+            max_pages: shared.options.prefetch_window_max / page,
+        }
+    }
+
+    /// One pass: records missing events, polls, unmaps a due batch, refills the window, tops
+    /// up the event stock. Returns how long to sleep before the next pass.
+    pub fn tick(&mut self, shared: &Shared) -> Duration {
         shared.record_missing_events();
         let mut busy = shared.poll_events();
         if shared.heap().unmap_due() {
@@ -65,15 +80,29 @@ pub(crate) fn run(shared: Arc<Shared>) {
             }
             busy = true;
         }
-        if max_pages > 0 {
-            busy |= refill_window(&shared, &mut demand, min_pages, max_pages, page);
+        if self.max_pages > 0 {
+            busy |=
+                refill_window(shared, &mut self.demand, self.min_pages, self.max_pages, self.page);
         }
         shared.stock_events(EVENT_STOCK);
         let pending = {
             let heap = shared.heap();
             heap.has_pending_frees() || heap.unmap_due()
         };
-        shared.worker_wait(if busy || pending { BUSY_TICK } else { IDLE_TICK });
+        if busy || pending {
+            BUSY_TICK
+        } else {
+            IDLE_TICK
+        }
+    }
+}
+
+/// The worker's loop; returns when `shared.stop` is set.
+pub(crate) fn run(shared: Arc<Shared>) {
+    let mut worker = Worker::new(&shared);
+    while !shared.stop.load(Ordering::Acquire) {
+        let sleep = worker.tick(&shared);
+        shared.worker_wait(sleep);
     }
 }
 
@@ -102,7 +131,7 @@ fn refill_window(
         heap.plan_window_refill(want, create)
     };
     let plan = match plan {
-        None | Some(Step::OutOfMemory(_)) => return false,
+        None | Some(Step::Wait | Step::OutOfMemory(_)) => return false,
         Some(Step::Flush(_)) => {
             if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
                 shared.heap().note_deferred_error(e);

