@@ -22,14 +22,34 @@ const PAGE: usize = 64 << 10;
 /// An allocator of `cap` pages whose chunks hold at most `max_chunk` pages, with no window and
 /// no worker thread (the models run the worker's pass themselves).
 fn allocator(cap: usize, max_chunk: usize) -> Arc<Allocator> {
+    with_window(cap, max_chunk, 0)
+}
+
+/// The same with a window of `window` pages, which only the worker's pass fills. The device
+/// has 64 pages, so that the window's address slab (512 pages) fits the address-space limit
+/// (16 times the device); the cap is what the model works against.
+fn with_window(cap: usize, max_chunk: usize, window: usize) -> Arc<Allocator> {
     let opts = Options {
         cap_bytes: Some((cap * PAGE) as u64),
         max_chunk_bytes: (max_chunk * PAGE) as u64,
         large_chunk_bytes: (max_chunk * PAGE) as u64,
-        prefetch_window_max: 0,
-        ..Options::host((cap * PAGE) as u64, PAGE)
+        prefetch_window_min: (window * PAGE) as u64,
+        prefetch_window_max: (window * PAGE) as u64,
+        ..Options::host((64 * PAGE) as u64, PAGE)
     };
     Arc::new(Allocator::new(opts).expect("host allocator"))
+}
+
+/// Runs `passes` passes of the worker on its own thread (a refill that must first reserve
+/// addresses maps on the next pass).
+fn worker_passes(a: &Arc<Allocator>, passes: usize) -> thread::JoinHandle<()> {
+    let a = a.clone();
+    thread::spawn(move || {
+        let mut worker = Worker::new(a.shared());
+        for _ in 0..passes {
+            worker.tick(a.shared());
+        }
+    })
 }
 
 /// A request on its own thread: allocates `pages` pages (on `stream`, or unordered), stamps
@@ -70,8 +90,8 @@ fn finish(a: &Allocator, live: &[(u64, usize, u64)]) {
     assert_eq!(s.reserved_bytes.current, 0, "memory held after release_unused");
 }
 
-/// Checks `f` under every interleaving with at most four preemptions (about 25,000 runs of
-/// the five models, 4 s). Six preemptions (240,000 runs) pass too, and with no bound the
+/// Checks `f` under every interleaving with at most four preemptions (about 65,000 runs of
+/// the seven models, 10 s). Six preemptions (240,000 runs) pass too, and with no bound the
 /// stream model passes exhaustively (1,040,814 runs).
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut builder = loom::model::Builder::new();
@@ -149,13 +169,7 @@ fn a_stream_free_feeds_another_stream_with_the_worker_running() {
             let a = a.clone();
             thread::spawn(move || a.free_async(x, s1).unwrap())
         };
-        let w = {
-            let a = a.clone();
-            thread::spawn(move || {
-                let mut worker = Worker::new(a.shared());
-                worker.tick(a.shared());
-            })
-        };
+        let w = worker_passes(&a, 1);
         f.join().unwrap();
         let t = request(&a, 2, Some(s2), 1);
         w.join().unwrap();
@@ -189,4 +203,32 @@ fn a_growable_grows_beside_a_racing_request() {
         stamp(&*a, g, 3 * PAGE, 2).unwrap();
         finish(&a, &[(p, 1, 1), (g, 3, 2)]);
     });
+}
+
+/// The worker's passes fill a window of two pages (creating them) while a request of `pages`
+/// pages needs memory too, then a request takes whatever the cap has left. Depending on the
+/// interleaving the first request hits the window, steals its pages, creates its own, or waits
+/// for the refill in flight; every request fits.
+fn window_refill_race(pages: usize) {
+    model(move || {
+        let a = with_window(4, 1, 2);
+        let w = worker_passes(&a, 2);
+        let t = request(&a, pages, None, 1);
+        w.join().unwrap();
+        let p = t.join().unwrap();
+        let rest = 4 - pages;
+        let q = a.malloc(rest * PAGE).unwrap();
+        stamp(&*a, q, rest * PAGE, 2).unwrap();
+        finish(&a, &[(p, pages, 1), (q, rest, 2)]);
+    });
+}
+
+#[test]
+fn a_window_refill_races_a_request_it_could_serve() {
+    window_refill_race(2);
+}
+
+#[test]
+fn a_window_refill_races_a_request_larger_than_the_window() {
+    window_refill_race(3);
 }
