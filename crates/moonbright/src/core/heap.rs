@@ -76,6 +76,18 @@ struct Live {
     backing: Backing,
 }
 
+/// What a plan in flight, or a release in flight, holds until it commits.
+#[derive(Debug, Default)]
+struct Claim {
+    /// Chunks neither bare nor in a range meanwhile.
+    chunks: Vec<ChunkId>,
+    /// The plan's fresh addresses (va, len); none for a release.
+    va: Option<(u64, u64)>,
+    /// Chunks it took from its stream's pending frees: (chunk, stream, epoch). If the plan
+    /// fails they are quarantined, not made bare.
+    same_stream: Vec<(ChunkId, u64, u64)>,
+}
+
 /// Limits the heap works within, fixed at creation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
@@ -163,15 +175,10 @@ pub(crate) struct Heap {
     recent_frees: VecDeque<(u64, u64)>,
     recent_free_gen: HashMap<u64, u64>,
     free_generation: u64,
-    /// Chunks claimed by plans in flight (neither bare nor in a range), by plan.
-    inflight: HashMap<u64, Vec<ChunkId>>,
-    /// Chunks a plan took from its stream's pending frees, by plan: (chunk, stream, epoch). If
-    /// the plan fails they are quarantined, not made bare.
-    inflight_same_stream: HashMap<u64, Vec<(ChunkId, u64, u64)>>,
+    /// What plans and releases in flight hold, by plan id.
+    inflight: HashMap<u64, Claim>,
     /// Chunks that only become bare once their stream's epoch has completed.
     quarantine: Vec<(ChunkId, u64, u64)>,
-    /// Addresses claimed by plans in flight, by plan: (va, len).
-    inflight_va: HashMap<u64, (u64, u64)>,
     inflight_create_pages: u64,
     next_plan: u64,
     /// Retired runs being unmapped with the lock released.
@@ -215,8 +222,6 @@ impl Heap {
             recent_free_gen: HashMap::new(),
             free_generation: 0,
             inflight: HashMap::new(),
-            inflight_va: HashMap::new(),
-            inflight_same_stream: HashMap::new(),
             quarantine: Vec::new(),
             inflight_create_pages: 0,
             next_plan: 0,
@@ -799,8 +804,8 @@ impl Heap {
         }
         let step = self.claim(va, len, got, release, create, spare);
         if let Step::Map(plan) = &step {
-            if !same_stream.is_empty() {
-                self.inflight_same_stream.insert(plan.id, same_stream);
+            if let Some(claim) = self.inflight.get_mut(&plan.id) {
+                claim.same_stream = same_stream;
             }
         }
         step
@@ -866,9 +871,8 @@ impl Heap {
             .collect();
         let plan = MapPlan { id, va, len, page: self.lim.page, existing, release, create, spare };
         self.inflight_create_pages += plan.created_pages();
-        let claimed = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
-        self.inflight.insert(id, claimed);
-        self.inflight_va.insert(id, (va, len));
+        let chunks = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
+        self.inflight.insert(id, Claim { chunks, va: Some((va, len)), same_stream: Vec::new() });
         Step::Map(plan)
     }
 
@@ -888,9 +892,7 @@ impl Heap {
     /// Commits an executed plan's driver effects: on success the chunks now mapped at
     /// `plan.va`, in order; on failure everything claimed goes back.
     fn commit_mapping(&mut self, plan: MapPlan, ex: Executed) -> Result<Vec<ChunkId>> {
-        self.inflight.remove(&plan.id);
-        self.inflight_va.remove(&plan.id);
-        let same_stream = self.inflight_same_stream.remove(&plan.id).unwrap_or_default();
+        let same_stream = self.inflight.remove(&plan.id).map(|c| c.same_stream).unwrap_or_default();
         self.inflight_create_pages -= plan.created_pages();
         for &(c, _, pages) in &plan.release[..ex.released] {
             self.pool.remove(c);
@@ -1224,7 +1226,8 @@ impl Heap {
         }
         let id = self.next_plan;
         self.next_plan += 1;
-        self.inflight.insert(id, out.iter().map(|r| r.0).collect());
+        let chunks = out.iter().map(|r| r.0).collect();
+        self.inflight.insert(id, Claim { chunks, ..Claim::default() });
         (id, out)
     }
 
@@ -1428,16 +1431,16 @@ impl Heap {
         }
         let (grow_allocated, grow_active) =
             self.check_growables(&mut owners, &mut maps, &mut spans)?;
-        for chunks in self.inflight.values() {
-            for &c in chunks {
+        for claim in self.inflight.values() {
+            for &c in &claim.chunks {
                 *owners.entry(c).or_default() += 1;
+            }
+            if let Some((va, len)) = claim.va {
+                spans.push((va, len, "in flight"));
             }
         }
         for &(c, _, _) in &self.quarantine {
             *owners.entry(c).or_default() += 1;
-        }
-        for &(va, len) in self.inflight_va.values() {
-            spans.push((va, len, "in flight"));
         }
         for r in self.va.retired() {
             for &c in r.chunks.iter() {
