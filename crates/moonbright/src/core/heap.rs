@@ -131,10 +131,10 @@ pub(crate) enum Step {
     /// (to free addresses). A request makes these calls itself, so the narrower the better: a
     /// whole batch takes milliseconds.
     Flush(Option<ChunkId>),
-    /// Not enough free memory now, but plans or releases in flight hold some: wait until they
-    /// have committed, then plan again. (Decided under the same lock as the shortfall: a
-    /// request that looked for in-flight work later could miss work that committed meanwhile,
-    /// and fail with memory free.)
+    /// Not enough free memory now, but plans or releases in flight hold some, or (below a
+    /// page) an arena has room since the request missed: wait a moment, then try the fast
+    /// paths and plan again. (Decided under the same lock as the shortfall: a request that
+    /// looked later could miss work that committed meanwhile, and fail with memory free.)
     Wait,
     /// Not enough free memory, counting everything that is free now.
     OutOfMemory(Error),
@@ -634,10 +634,16 @@ impl Heap {
         (self.lim.cap / self.lim.page).saturating_sub(held)
     }
 
-    /// The step for a request `short` pages short of `requested` bytes: wait if work in flight
-    /// may free some, else out of memory.
-    fn short_of(&self, requested: u64, short: u64) -> Step {
-        if self.has_inflight() {
+    /// The step for a request of `stream` `short` pages short of `requested` bytes: wait if
+    /// work in flight may free some; try the fast paths again if a request below a page now
+    /// fits in an arena (another thread's arena committed since this one missed, or a block it
+    /// waited for came back), as arena space is found by nothing else; else out of memory.
+    fn short_of(&self, requested: u64, short: u64, stream: u64) -> Step {
+        let rounded = requested.next_multiple_of(SUBPAGE_ALIGN);
+        let arena_fits = requested < self.lim.page
+            && (self.sub.fits(rounded)
+                || self.streams.get(stream).is_some_and(|f| f.has_block(rounded)));
+        if self.has_inflight() || arena_fits {
             Step::Wait
         } else {
             Step::OutOfMemory(self.out_of_memory(requested, short))
@@ -671,7 +677,7 @@ impl Heap {
     pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
         let free = self.free_pages_for(stream);
         if free < pages {
-            return self.short_of(requested, pages - free);
+            return self.short_of(requested, pages - free, stream);
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
@@ -798,7 +804,7 @@ impl Heap {
             if self.headroom() < left {
                 self.give_back(got, same_stream);
                 self.va.recycle(va, len);
-                return self.short_of(requested, left);
+                return self.short_of(requested, left, stream);
             }
             create = chunk_plan(left, cap);
         }

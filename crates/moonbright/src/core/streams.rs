@@ -138,6 +138,11 @@ impl StreamFrees {
         self.done.is_some_and(|d| d >= epoch)
     }
 
+    /// Whether a block of exactly `rounded` bytes waits here (what `take_block` would take).
+    pub fn has_block(&self, rounded: u64) -> bool {
+        self.blocks_by_size.range((rounded, 0)..=(rounded, u64::MAX)).next().is_some()
+    }
+
     /// The newest block of exactly `rounded` bytes, for reuse by this stream: (ptr, arena, offset).
     pub fn take_block(&mut self, rounded: u64) -> Option<(u64, u32, u64)> {
         let &(_, seq) =

@@ -47,6 +47,11 @@ impl SubPage {
         }
     }
 
+    /// Whether some free extent holds `size` bytes (what `alloc` would find).
+    pub fn fits(&self, size: u64) -> bool {
+        self.by_size.range((size, 0, 0)..).next().is_some()
+    }
+
     /// Best fit for `size` bytes (a multiple of `SUBPAGE_ALIGN`): (arena, offset).
     pub fn alloc(&mut self, size: u64) -> Option<(ArenaId, u64)> {
         debug_assert!(size > 0 && size % SUBPAGE_ALIGN == 0);

@@ -52,33 +52,32 @@ fn worker_passes(a: &Arc<Allocator>, passes: usize) -> thread::JoinHandle<()> {
     })
 }
 
-/// A request on its own thread: allocates `pages` pages (on `stream`, or unordered), stamps
+/// A request on its own thread: allocates `len` bytes (on `stream`, or unordered), stamps
 /// them with `id`, checks the stamp, and returns the pointer.
 fn request(
     a: &Arc<Allocator>,
-    pages: usize,
+    len: usize,
     stream: Option<StreamHandle>,
     id: u64,
 ) -> thread::JoinHandle<u64> {
     let a = a.clone();
     thread::spawn(move || {
-        let len = pages * PAGE;
         let p = match stream {
             Some(s) => a.malloc_async(len, s),
             None => a.malloc(len),
         }
-        .unwrap_or_else(|e| panic!("request {id} of {pages} pages failed: {e}"));
+        .unwrap_or_else(|e| panic!("request {id} of {len} bytes failed: {e}"));
         stamp(&*a, p, len, id).unwrap();
         assert!(verify(&*a, p, len, id).unwrap(), "request {id}'s bytes changed at once");
         p
     })
 }
 
-/// Checks the stamps of `live` (pointer, pages, id), frees them all, gives everything back, and
-/// checks that nothing is left.
+/// Checks the stamps of `live` (pointer, bytes, id), frees them all, gives everything back,
+/// and checks that nothing is left.
 fn finish(a: &Allocator, live: &[(u64, usize, u64)]) {
-    for &(p, pages, id) in live {
-        assert!(verify(a, p, pages * PAGE, id).unwrap(), "allocation {id} was overwritten");
+    for &(p, len, id) in live {
+        assert!(verify(a, p, len, id).unwrap(), "allocation {id} was overwritten");
     }
     for &(p, _, _) in live {
         a.free(p).unwrap();
@@ -110,10 +109,10 @@ fn racing_requests_share_out_all_memory() {
         let y = a.malloc(PAGE).unwrap();
         a.free(x).unwrap();
         a.free(y).unwrap();
-        let t1 = request(&a, 3, None, 1);
-        let t2 = request(&a, 1, None, 2);
+        let t1 = request(&a, 3 * PAGE, None, 1);
+        let t2 = request(&a, PAGE, None, 2);
         let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
-        finish(&a, &[(p1, 3, 1), (p2, 1, 2)]);
+        finish(&a, &[(p1, 3 * PAGE, 1), (p2, PAGE, 2)]);
     });
 }
 
@@ -125,10 +124,10 @@ fn racing_splits_of_one_chunk() {
         let a = allocator(4, 4);
         let x = a.malloc(4 * PAGE).unwrap();
         a.free(x).unwrap();
-        let t1 = request(&a, 1, None, 1);
-        let t2 = request(&a, 2, None, 2);
+        let t1 = request(&a, PAGE, None, 1);
+        let t2 = request(&a, 2 * PAGE, None, 2);
         let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
-        finish(&a, &[(p1, 1, 1), (p2, 2, 2)]);
+        finish(&a, &[(p1, PAGE, 1), (p2, 2 * PAGE, 2)]);
     });
 }
 
@@ -146,10 +145,10 @@ fn release_unused_races_a_request() {
             let a = a.clone();
             thread::spawn(move || a.release_unused().map(|_| ()))
         };
-        let t = request(&a, 3, None, 1);
+        let t = request(&a, 3 * PAGE, None, 1);
         r.join().unwrap().unwrap();
         let p = t.join().unwrap();
-        finish(&a, &[(p, 3, 1)]);
+        finish(&a, &[(p, 3 * PAGE, 1)]);
     });
 }
 
@@ -171,11 +170,11 @@ fn a_stream_free_feeds_another_stream_with_the_worker_running() {
         };
         let w = worker_passes(&a, 1);
         f.join().unwrap();
-        let t = request(&a, 2, Some(s2), 1);
+        let t = request(&a, 2 * PAGE, Some(s2), 1);
         w.join().unwrap();
         let p = t.join().unwrap();
         assert_ne!(p, y);
-        finish(&a, &[(p, 2, 1), (y, 2, 9)]);
+        finish(&a, &[(p, 2 * PAGE, 1), (y, 2 * PAGE, 9)]);
         a.driver().destroy_stream(s1).unwrap();
         a.driver().destroy_stream(s2).unwrap();
     });
@@ -196,12 +195,12 @@ fn a_growable_grows_beside_a_racing_request() {
             let a = a.clone();
             thread::spawn(move || a.resize(g, 3 * PAGE).unwrap())
         };
-        let t = request(&a, 1, None, 1);
+        let t = request(&a, PAGE, None, 1);
         grow.join().unwrap();
         let p = t.join().unwrap();
         assert_eq!(a.growable_info(g).unwrap().committed, 3 * PAGE as u64);
         stamp(&*a, g, 3 * PAGE, 2).unwrap();
-        finish(&a, &[(p, 1, 1), (g, 3, 2)]);
+        finish(&a, &[(p, PAGE, 1), (g, 3 * PAGE, 2)]);
     });
 }
 
@@ -213,13 +212,13 @@ fn window_refill_race(pages: usize) {
     model(move || {
         let a = with_window(4, 1, 2);
         let w = worker_passes(&a, 2);
-        let t = request(&a, pages, None, 1);
+        let t = request(&a, pages * PAGE, None, 1);
         w.join().unwrap();
         let p = t.join().unwrap();
         let rest = 4 - pages;
         let q = a.malloc(rest * PAGE).unwrap();
         stamp(&*a, q, rest * PAGE, 2).unwrap();
-        finish(&a, &[(p, pages, 1), (q, rest, 2)]);
+        finish(&a, &[(p, pages * PAGE, 1), (q, rest * PAGE, 2)]);
     });
 }
 
@@ -231,4 +230,54 @@ fn a_window_refill_races_a_request_it_could_serve() {
 #[test]
 fn a_window_refill_races_a_request_larger_than_the_window() {
     window_refill_race(3);
+}
+
+/// Blocks smaller than a page from two threads on two streams, when every arena is full and
+/// the last page of the cap must become a new arena: the two may both miss, both plan an
+/// arena's page, and one of them must then wait or take a block of the other's arena. Frees
+/// on a stream go back to their arena in stream order.
+#[test]
+fn sub_page_blocks_from_racing_threads() {
+    model(|| {
+        let a = allocator(2, 1);
+        let (s1, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
+        // One arena, full: its page holds four blocks of a quarter page.
+        let full: Vec<u64> = (0..4).map(|_| a.malloc_async(PAGE / 4, s1).unwrap()).collect();
+        let t1 = request(&a, PAGE / 4, Some(s1), 1);
+        let t2 = request(&a, PAGE / 2, Some(s2), 2);
+        let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
+        for p in full {
+            a.free_async(p, s1).unwrap();
+        }
+        finish(&a, &[(p1, PAGE / 4, 1), (p2, PAGE / 2, 2)]);
+    });
+}
+
+/// A growable allocation shrinks on one stream and grows back over its old tail, while a
+/// request on another stream takes a page: the tail comes back with no driver call unless the
+/// request took its chunks (then the grow maps others, and the old addresses wait for their
+/// unmap). The growable's first page keeps its bytes throughout.
+#[test]
+fn a_growable_shrinks_and_grows_back_beside_another_stream() {
+    model(|| {
+        let a = allocator(4, 1);
+        let (s1, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
+        let g = a.reserve_growable(4 * PAGE).unwrap();
+        a.resize(g, 3 * PAGE).unwrap();
+        stamp(&*a, g, PAGE, 7).unwrap();
+        let resizer = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.resize_async(g, PAGE, s1).unwrap();
+                a.resize_async(g, 2 * PAGE, s1).unwrap();
+            })
+        };
+        let t = request(&a, PAGE, Some(s2), 1);
+        resizer.join().unwrap();
+        let p = t.join().unwrap();
+        let q = a.malloc(PAGE).unwrap();
+        stamp(&*a, q, PAGE, 2).unwrap();
+        assert_eq!(a.growable_info(g).unwrap().size, 2 * PAGE as u64);
+        finish(&a, &[(g, PAGE, 7), (p, PAGE, 1), (q, PAGE, 2)]);
+    });
 }

@@ -25,6 +25,21 @@ const WAIT_STEP: std::time::Duration = std::time::Duration::from_micros(20);
 /// The longest an unmap batch pauses between its calls for requests that are mapping.
 const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// What a request has waited for so far, over its tries of the fast paths and the slow one.
+struct Waits {
+    start: std::time::Instant,
+    /// Whether it has polled the recorded events.
+    polled: bool,
+    /// Whether it has waited for every stream's pending frees (once at most).
+    pending_frees: bool,
+}
+
+impl Waits {
+    fn new() -> Self {
+        Waits { start: std::time::Instant::now(), polled: false, pending_frees: false }
+    }
+}
+
 /// The error of a request that waited `MAX_WAIT` for other threads' unmaps or plans.
 fn gave_up() -> Error {
     Error::Driver(DriverError::new(
@@ -129,21 +144,26 @@ impl Shared {
             }
             None => 0,
         };
-        let (pages, arena) = {
-            let mut heap = self.heap();
-            let fast = heap.try_fast(size, s);
-            self.validated(&heap);
-            match fast? {
-                Fast::Done(ptr) => return Ok(ptr),
-                Fast::NeedRange { pages, arena } => (pages, arena),
+        let mut waits = Waits::new();
+        loop {
+            let (pages, arena) = {
+                let mut heap = self.heap();
+                let fast = heap.try_fast(size, s);
+                self.validated(&heap);
+                match fast? {
+                    Fast::Done(ptr) => return Ok(ptr),
+                    Fast::NeedRange { pages, arena } => (pages, arena),
+                }
+            };
+            // `None`: it waited for other work, after which a fast path may serve it.
+            if let Some((id, mut heap)) = self.new_range(pages, size, s, &mut waits)? {
+                let ptr = heap.finish(id, size, s, arena);
+                self.validated(&heap);
+                drop(heap);
+                self.wake_worker();
+                return Ok(ptr);
             }
-        };
-        let (id, mut heap) = self.new_range(pages, size, s)?;
-        let ptr = heap.finish(id, size, s, arena);
-        self.validated(&heap);
-        drop(heap);
-        self.wake_worker();
-        Ok(ptr)
+        }
     }
 
     /// Frees at once (the caller guarantees the device is done with it).
@@ -205,20 +225,27 @@ impl Shared {
     }
 
     /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
-    /// reservation or a flush, and waiting for other streams' frees before reporting OOM.
-    /// Returns the heap still locked from the commit, for the caller to finish the request.
+    /// reservation or a flush. Returns the heap still locked from the commit, for the caller to
+    /// finish the request; or `None` once it has waited for other work (completed frees, plans
+    /// in flight, other streams' pending frees), for the caller to try its fast paths again:
+    /// what it waited for may have made a cached range or arena space that serves it with no
+    /// driver call, and an arena's space is found by nothing else.
     fn new_range(
         &self,
         pages: u64,
         requested: u64,
         stream: u64,
-    ) -> Result<(RangeId, MutexGuard<'_, Heap>)> {
+        waits: &mut Waits,
+    ) -> Result<Option<(RangeId, MutexGuard<'_, Heap>)>> {
         // Frees whose events have completed are free memory: look before mapping anything new
         // (a few event queries, on the slow path only), rather than wait for the worker's tick.
-        self.poll_events();
-        let mut waited = false;
-        let start = std::time::Instant::now();
-        while start.elapsed() < MAX_WAIT {
+        if !waits.polled {
+            waits.polled = true;
+            if self.poll_events() {
+                return Ok(None);
+            }
+        }
+        while waits.start.elapsed() < MAX_WAIT {
             let step = self.heap().plan_range(pages, requested, stream);
             match step {
                 Step::Map(plan) => {
@@ -227,7 +254,7 @@ impl Shared {
                     heap.note_request_map(&plan);
                     let r = heap.commit(plan, ex);
                     self.validated(&heap);
-                    return r.map(|id| (id, heap));
+                    return r.map(|id| Some((id, heap)));
                 }
                 Step::Reserve(len) => {
                     let page = self.driver.granularity();
@@ -240,12 +267,16 @@ impl Shared {
                         pause(WAIT_STEP);
                     }
                 }
-                Step::Wait => pause(WAIT_STEP),
+                Step::Wait => {
+                    pause(WAIT_STEP);
+                    return Ok(None);
+                }
                 Step::OutOfMemory(e) => {
-                    if !self.before_oom(&mut waited)? {
-                        self.heap().note_oom(requested, stream);
-                        return Err(e);
+                    if self.before_oom(&mut waits.pending_frees)? {
+                        return Ok(None);
                     }
+                    self.heap().note_oom(requested, stream);
+                    return Err(e);
                 }
             }
         }

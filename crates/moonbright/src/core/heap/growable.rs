@@ -117,7 +117,7 @@ impl Heap {
             return Ok(Resize::Done(event));
         }
         let s = stream.unwrap_or(0);
-        self.reclaim_tail(ptr, s);
+        self.reclaim_tail(ptr, s, want);
         let g = &self.growables[&ptr];
         if want <= g.committed {
             self.set_size(ptr, len);
@@ -134,7 +134,7 @@ impl Heap {
         }
         let free = self.free_pages_for(s);
         let step = if free < need {
-            self.short_of(need_len, need - free)
+            self.short_of(need_len, need - free, s)
         } else {
             self.plan_at(va, need, need_len, s, false)
         };
@@ -251,15 +251,26 @@ impl Heap {
         }
     }
 
-    /// Takes back retired tails that start at the growable's end, still mapped there, when no
-    /// other range has taken their chunks and `stream` may use them (its own shrink, or one whose
-    /// stream work has completed).
-    fn reclaim_tail(&mut self, ptr: u64, stream: u64) {
+    /// Takes back retired tails that start at the growable's end, still mapped there, until it
+    /// commits `want` pages, when no other range has taken the chunks it takes back and
+    /// `stream` may use them (its own shrink, or one whose stream work has completed). Only the
+    /// chunks the grow needs come back: the rest of a tail stays retired, its chunks free for
+    /// any request, rather than sit committed and unused.
+    fn reclaim_tail(&mut self, ptr: u64, stream: u64, want: u64) {
         let page = self.lim.page;
         loop {
             let g = &self.growables[&ptr];
+            if g.committed >= want {
+                return;
+            }
             let end = g.base + g.committed * page;
-            let Some(r) = self.va.take_retired_at(end) else { return };
+            let need = want - g.committed;
+            let Some(mut r) = self.va.take_retired_at(end) else { return };
+            let (mut k, mut pages) = (0, 0);
+            while k < r.chunks.len() && pages < need {
+                pages += self.pool.get(r.chunks[k]).pages;
+                k += 1;
+            }
             let free = |c: ChunkId| {
                 self.pool.get(c).bare
                     || self.quarantine.iter().any(|q| {
@@ -268,22 +279,31 @@ impl Heap {
                                 || self.streams.get(q.1).is_some_and(|f| f.is_done(q.2)))
                     })
             };
-            if !r.chunks.iter().all(|&c| free(c)) {
+            if !r.chunks[..k].iter().all(|&c| free(c)) {
                 self.va.retire(r);
                 return;
             }
-            for &c in &r.chunks {
+            let taken: Vec<ChunkId> = r.chunks.drain(..k).collect();
+            for &c in &taken {
                 if !self.pool.take_if_bare(c) {
                     self.quarantine.retain(|q| q.0 != c);
                 }
             }
-            self.stats.retired_ranges.sub(1);
-            self.stats.active_bytes.add(r.len);
-            self.stats.growable_committed_bytes.add(r.len);
+            let len = pages * page;
+            if r.chunks.is_empty() {
+                self.stats.retired_ranges.sub(1);
+            } else {
+                // The rest stays retired, at the addresses after the part taken back.
+                r.va += len;
+                r.len -= len;
+                self.va.retire(r);
+            }
+            self.stats.active_bytes.add(len);
+            self.stats.growable_committed_bytes.add(len);
             self.stats.growable_reclaims += 1;
             let g = self.growables.get_mut(&ptr).expect("still registered");
-            g.committed += r.len / page;
-            g.chunks.extend(r.chunks);
+            g.committed += pages;
+            g.chunks.extend(taken);
         }
     }
 
