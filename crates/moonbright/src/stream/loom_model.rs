@@ -89,12 +89,17 @@ fn finish(a: &Allocator, live: &[(u64, usize, u64)]) {
     assert_eq!(s.reserved_bytes.current, 0, "memory held after release_unused");
 }
 
-/// Checks `f` under every interleaving with at most four preemptions (about 67,000 runs of
-/// all the models, 10 s). The first five also passed with six (240,000 runs), and with no bound
-/// the stream model passed exhaustively (1,040,814 runs).
+/// Checks `f` under every interleaving with at most four preemptions (the two-thread models
+/// take about 67,000 runs, 10 s, together). The first five also passed with six (240,000
+/// runs), and with no bound the stream model passed exhaustively (1,040,814 runs).
 fn model(f: impl Fn() + Sync + Send + 'static) {
+    model_bounded(4, f);
+}
+
+/// `model` with at most `preemptions` preemptions (models of three busy threads need fewer).
+fn model_bounded(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(4);
+    builder.preemption_bound = Some(preemptions);
     builder.check(f);
 }
 
@@ -328,5 +333,51 @@ fn one_growable_resized_from_two_threads() {
         assert!(size == 2 * PAGE as u64 || size == 3 * PAGE as u64, "size {size}");
         stamp(&*a, g, size as usize, 3).unwrap();
         finish(&a, &[(g, size as usize, 3)]);
+    });
+}
+
+/// A user's `flush` unmaps a retired range (a cached range a request stole from) while a
+/// request maps the last free page and the worker runs its pass; then a request needs every
+/// page, the stolen chunks among them.
+#[test]
+fn a_flush_races_a_request_and_the_worker() {
+    model(|| {
+        let a = allocator(4, 1);
+        let x = a.malloc(2 * PAGE).unwrap();
+        a.free(x).unwrap();
+        // Steals x's two chunks (x's addresses are retired, still mapped) and creates one.
+        let p = a.malloc(3 * PAGE).unwrap();
+        let f = {
+            let a = a.clone();
+            thread::spawn(move || a.flush().unwrap())
+        };
+        let w = worker_passes(&a, 1);
+        let t = request(&a, PAGE, None, 1);
+        f.join().unwrap();
+        w.join().unwrap();
+        let q = t.join().unwrap();
+        a.free(p).unwrap();
+        a.free(q).unwrap();
+        let all = a.malloc(4 * PAGE).unwrap();
+        stamp(&*a, all, 4 * PAGE, 2).unwrap();
+        finish(&a, &[(all, 4 * PAGE, 2)]);
+    });
+}
+
+/// Two requests and the worker's window refill at once, three threads: together they need
+/// every page of the cap, so each must wait for, or take from, the others' work in flight.
+/// Bounded at 3 preemptions, 35 s (at 4 it passes too, in 12 minutes).
+#[test]
+fn two_requests_and_a_window_refill() {
+    model_bounded(3, || {
+        let a = with_window(4, 1, 2);
+        let w = worker_passes(&a, 2);
+        let t1 = request(&a, PAGE, None, 1);
+        let t2 = request(&a, 2 * PAGE, None, 2);
+        w.join().unwrap();
+        let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
+        let q = a.malloc(PAGE).unwrap();
+        stamp(&*a, q, PAGE, 3).unwrap();
+        finish(&a, &[(p1, PAGE, 1), (p2, 2 * PAGE, 2), (q, PAGE, 3)]);
     });
 }
