@@ -191,6 +191,37 @@ fn regrowing_takes_a_shrunk_tail_back_without_driver_calls() {
 }
 
 #[test]
+fn regrowing_a_little_takes_back_only_what_it_needs() {
+    // One-page chunks and a cap of 8 pages: the growable holds all of it, then shrinks to one.
+    let a = Allocator::new(Options {
+        cap_bytes: Some(8 * PAGE as u64),
+        max_chunk_bytes: PAGE as u64,
+        ..opts(false)
+    })
+    .unwrap();
+    let s = a.driver().create_stream().unwrap();
+    let g = a.reserve_growable(8 * PAGE).unwrap();
+    a.resize_async(g, 8 * PAGE, s).unwrap();
+    stamp(&a, g, PAGE, 4).unwrap();
+    a.resize_async(g, PAGE, s).unwrap();
+    // Growing by one page takes back one chunk of the old tail, still mapped, and no more.
+    let before = mapping_calls(&a);
+    a.resize_async(g, 2 * PAGE, s).unwrap();
+    assert_eq!(mapping_calls(&a), before, "the page came back from the old tail");
+    assert_eq!(a.growable_info(g).unwrap().committed, 2 * PAGE as u64);
+    assert_eq!(a.stats().growable_reclaims, 1);
+    books_agree(&a);
+    // The other six pages are free for anyone.
+    let p = a.malloc_async(6 * PAGE, s).unwrap();
+    stamp(&a, p, 6 * PAGE, 5).unwrap();
+    assert!(verify(&a, g, PAGE, 4).unwrap());
+    books_agree(&a);
+    a.free(p).unwrap();
+    a.free(g).unwrap();
+    books_agree(&a);
+}
+
+#[test]
 fn regrowing_after_the_tail_went_elsewhere_maps_afresh() {
     let a = Allocator::new(opts(false)).unwrap();
     let g = a.reserve_growable(48 * PAGE).unwrap();

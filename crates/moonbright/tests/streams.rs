@@ -75,6 +75,25 @@ fn the_freeing_stream_reuses_at_once_others_wait_for_the_event() {
 }
 
 #[test]
+fn a_completed_free_found_by_the_requests_own_poll_is_a_cache_hit() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    host(&a).release_stream(s[0]);
+    // Nobody has polled: s1's request finds the completed event itself, then takes the range
+    // as it is (a cache hit), with no driver call to map it again.
+    let (hits, maps) = (a.stats().cache_hits, a.stats().driver_calls.get(CallKind::Map));
+    let q = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(a.stats().cache_hits, hits + 1);
+    assert_eq!(a.stats().driver_calls.get(CallKind::Map), maps);
+    a.free_async(q, s[1]).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
 fn sub_page_blocks_follow_the_same_order() {
     let a = Allocator::new(opts(false)).unwrap();
     let s = streams(&a, 2);
