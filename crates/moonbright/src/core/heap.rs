@@ -533,6 +533,11 @@ impl Heap {
         out
     }
 
+    /// Whether any recorded event is not known complete (what `events_to_query` would list).
+    pub fn has_listed_events(&self) -> bool {
+        self.streams.iter().any(|(_, f)| f.events().next().is_some())
+    }
+
     /// Every recorded event not known complete, per stream, oldest first.
     pub fn events_to_query(&self) -> Vec<(u64, Vec<(u64, EventHandle)>)> {
         self.streams
@@ -915,10 +920,11 @@ impl Heap {
             let c = self.insert_chunk(h, pages);
             self.pool.put_bare(c);
         }
-        let created: Vec<ChunkId> =
-            ex.created.iter().map(|&(h, pages)| self.insert_chunk(h, pages)).collect();
-        let chunks: Vec<ChunkId> =
-            plan.existing.iter().map(|e| e.0).chain(created.iter().copied()).collect();
+        let mut chunks = Vec::with_capacity(plan.existing.len() + ex.created.len());
+        chunks.extend(plan.existing.iter().map(|e| e.0));
+        for &(h, pages) in &ex.created {
+            chunks.push(self.insert_chunk(h, pages));
+        }
         match ex.result {
             Ok(()) => {
                 for &c in &chunks {

@@ -86,12 +86,11 @@ pub(crate) fn execute(driver: &dyn Driver, plan: &MapPlan) -> Executed {
             }
         }
     }
-    let all: Vec<(ChunkHandle, u64)> =
-        plan.existing.iter().map(|&(_, h, p)| (h, p)).chain(ex.created.iter().copied()).collect();
+    let all = plan.existing.iter().map(|&(_, h, p)| (h, p)).chain(ex.created.iter().copied());
     let mut at = plan.va;
     let mut mapped = 0;
     let mut failure = None;
-    for &(h, pages) in &all {
+    for (h, pages) in all {
         let len = pages * plan.page;
         if let Err(e) = driver.map(at, len as usize, h) {
             failure = Some(e);

@@ -375,7 +375,10 @@ impl<D: Driver> Instrumented<D> {
             let ns = start.elapsed().as_nanos() as u64;
             let (total, max) = &self.nanos[kind as usize];
             total.fetch_add(ns, Ordering::Relaxed);
-            max.fetch_max(ns, Ordering::Relaxed);
+            // A compare-and-swap loop only when this call is a new maximum.
+            if ns > max.load(Ordering::Relaxed) {
+                max.fetch_max(ns, Ordering::Relaxed);
+            }
             r
         }
         #[cfg(loom)]

@@ -152,7 +152,11 @@ impl Shared {
                 self.validated(&heap);
                 match fast? {
                     Fast::Done(ptr) => return Ok(ptr),
-                    Fast::NeedRange { pages, arena } => (pages, arena),
+                    Fast::NeedRange { pages, arena } => {
+                        // Nothing to poll: spare the slow path a lock round trip.
+                        waits.polled |= !heap.has_listed_events();
+                        (pages, arena)
+                    }
                 }
             };
             // `None`: it waited for other work, after which a fast path may serve it.
