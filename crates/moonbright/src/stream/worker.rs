@@ -81,8 +81,7 @@ impl Worker {
             busy = true;
         }
         if self.max_pages > 0 {
-            busy |=
-                refill_window(shared, &mut self.demand, self.min_pages, self.max_pages, self.page);
+            busy |= self.refill_window(shared);
         }
         shared.stock_events(EVENT_STOCK);
         let pending = {
@@ -95,6 +94,52 @@ impl Worker {
             IDLE_TICK
         }
     }
+
+    /// Maps one batch into the window if it is below its target. Returns whether it mapped any.
+    fn refill_window(&mut self, shared: &Shared) -> bool {
+        let (min_pages, max_pages, page) = (self.min_pages, self.max_pages, self.page);
+        let plan = {
+            let mut heap = shared.heap();
+            let rate = self.demand.update(heap.take_fresh_demand());
+            if heap.requests_mapping_within(QUIET_BEFORE_REFILL) && heap.window_pages() >= min_pages
+            {
+                return false;
+            }
+            let allocated_pages = heap.stats().allocated_bytes.current / page;
+            let share = min_pages.max(allocated_pages / WINDOW_SHARE).min(max_pages);
+            let target =
+                ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
+            let have = heap.window_pages();
+            let want = target.saturating_sub(have).min(shared.options.window_refill_pages);
+            // New chunks up to the minimum the user asked for; beyond it only when no held memory
+            // is free (creating while free chunks sit idle would raise what is held for nothing).
+            let create = if have < min_pages || heap.free_held_pages() == 0 { want } else { 0 };
+            heap.plan_window_refill(want, create)
+        };
+        let plan = match plan {
+            None | Some(Step::Wait | Step::OutOfMemory(_)) => return false,
+            Some(Step::Flush(_)) => {
+                if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
+                    shared.heap().note_deferred_error(e);
+                }
+                return true;
+            }
+            Some(Step::Reserve(len)) => {
+                match shared.driver.reserve(len as usize, page as usize) {
+                    Ok(base) => shared.heap().add_reservation(base, len),
+                    Err(e) => shared.heap().note_deferred_error(e),
+                }
+                return true;
+            }
+            Some(Step::Map(plan)) => plan,
+        };
+        let ex = execute(&shared.driver, &plan);
+        let mut heap = shared.heap();
+        if let Err(crate::Error::Driver(e)) = heap.commit_window(plan, ex) {
+            heap.note_deferred_error(e);
+        }
+        true
+    }
 }
 
 /// The worker's loop; returns when `shared.stop` is set.
@@ -104,53 +149,4 @@ pub(crate) fn run(shared: Arc<Shared>) {
         let sleep = worker.tick(&shared);
         shared.worker_wait(sleep);
     }
-}
-
-/// Maps one batch into the window if it is below its target. Returns whether it mapped any.
-fn refill_window(
-    shared: &Shared,
-    demand: &mut Demand,
-    min_pages: u64,
-    max_pages: u64,
-    page: u64,
-) -> bool {
-    let plan = {
-        let mut heap = shared.heap();
-        let rate = demand.update(heap.take_fresh_demand());
-        if heap.requests_mapping_within(QUIET_BEFORE_REFILL) && heap.window_pages() >= min_pages {
-            return false;
-        }
-        let allocated_pages = heap.stats().allocated_bytes.current / page;
-        let share = min_pages.max(allocated_pages / WINDOW_SHARE).min(max_pages);
-        let target = ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
-        let have = heap.window_pages();
-        let want = target.saturating_sub(have).min(shared.options.window_refill_pages);
-        // New chunks up to the minimum the user asked for; beyond it only when no held memory
-        // is free (creating while free chunks sit idle would raise what is held for nothing).
-        let create = if have < min_pages || heap.free_held_pages() == 0 { want } else { 0 };
-        heap.plan_window_refill(want, create)
-    };
-    let plan = match plan {
-        None | Some(Step::Wait | Step::OutOfMemory(_)) => return false,
-        Some(Step::Flush(_)) => {
-            if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
-                shared.heap().note_deferred_error(e);
-            }
-            return true;
-        }
-        Some(Step::Reserve(len)) => {
-            match shared.driver.reserve(len as usize, page as usize) {
-                Ok(base) => shared.heap().add_reservation(base, len),
-                Err(e) => shared.heap().note_deferred_error(e),
-            }
-            return true;
-        }
-        Some(Step::Map(plan)) => plan,
-    };
-    let ex = execute(&shared.driver, &plan);
-    let mut heap = shared.heap();
-    if let Err(crate::Error::Driver(e)) = heap.commit_window(plan, ex) {
-        heap.note_deferred_error(e);
-    }
-    true
 }
