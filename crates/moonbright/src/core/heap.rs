@@ -814,10 +814,14 @@ impl Heap {
             create = chunk_plan(left, cap);
         }
         let step = self.claim(va, len, got, release, create, spare);
-        if let Step::Map(plan) = &step {
-            if let Some(claim) = self.inflight.get_mut(&plan.id) {
-                claim.same_stream = same_stream;
+        match &step {
+            // Most plans take nothing from their stream's pending frees: no second lookup.
+            Step::Map(plan) if !same_stream.is_empty() => {
+                if let Some(claim) = self.inflight.get_mut(&plan.id) {
+                    claim.same_stream = same_stream;
+                }
             }
+            _ => {}
         }
         step
     }
