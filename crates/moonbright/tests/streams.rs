@@ -93,6 +93,40 @@ fn a_completed_free_found_by_the_requests_own_poll_is_a_cache_hit() {
     a.check_invariants().unwrap();
 }
 
+/// A poll (or the worker) records an event only for a free whose own record failed. A free
+/// whose record succeeded is left alone: the user may destroy its stream as soon as the free
+/// returns, and a record on a destroyed stream is an error (on a GPU, a crash).
+#[test]
+fn only_a_free_whose_own_record_failed_gets_a_later_event() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 3);
+    let records = || a.stats().driver_calls.get(CallKind::EventRecord);
+    let q = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    host(&a).release_stream(s[0]);
+    a.driver().destroy_stream(s[0]).unwrap();
+    let r = records();
+    assert!(a.poll(), "the free's own event completes");
+    assert_eq!(records(), r, "a poll recorded on a stream whose frees had their events");
+    assert!(a.take_deferred_error().is_none());
+
+    // s1's free cannot record its event: the next poll records one, and then the range
+    // reaches another stream as it is.
+    a.driver().fail_nth(CallKind::EventRecord, 1, None);
+    a.free_async(q, s[1]).unwrap();
+    assert!(a.take_deferred_error().is_some(), "the failed record was not reported");
+    let r = records();
+    assert!(a.poll());
+    assert_eq!(records(), r + 1);
+    assert!(a.take_deferred_error().is_none());
+    let x = a.malloc_async(3 * PAGE, s[2]).unwrap();
+    let y = a.malloc_async(3 * PAGE, s[2]).unwrap();
+    assert_eq!([x.min(y), x.max(y)], [p.min(q), p.max(q)], "both ranges are reused as they are");
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn sub_page_blocks_follow_the_same_order() {
     let a = Allocator::new(opts(false)).unwrap();

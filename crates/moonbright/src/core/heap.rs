@@ -194,6 +194,9 @@ pub(crate) struct Heap {
     /// Events the background worker created ahead of need, for frees on any stream that has no
     /// spare event of its own, so that a burst of frees records events without creating them.
     event_stock: Vec<EventHandle>,
+    /// Frees on streams (and shrinks) whose own event records are still to be settled: until
+    /// then their pages are neither free nor covered by an event anyone could wait for.
+    records_in_flight: u32,
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
@@ -231,6 +234,7 @@ impl Heap {
             fresh_pages: 0,
             last_request_map: None,
             event_stock: Vec::new(),
+            records_in_flight: 0,
             stats: Stats::default(),
             deferred_error: None,
             history: None,
@@ -483,6 +487,7 @@ impl Heap {
             }
         };
         let epoch = self.streams.push(stream, what);
+        self.records_in_flight += 1;
         let spare = self
             .streams
             .entry(stream)
@@ -510,17 +515,35 @@ impl Heap {
         self.event_stock.extend(events);
     }
 
-    /// Notes that `event` was recorded on `stream` after the free of `epoch`.
-    pub fn event_recorded(&mut self, stream: u64, epoch: u64, event: EventHandle) {
-        self.streams.entry(stream).recorded(epoch, event);
+    /// Settles a record of an event on `stream` for the free of `epoch`: `Ok(event)` was
+    /// recorded after it; `Err(event)` failed (the event, if one was made, becomes a spare, and
+    /// the worker records one for the free later). `own` says whether it was the record the free
+    /// itself asked for (`free_on_stream`, a shrink on a stream), which is in flight until now.
+    pub fn record_settled(
+        &mut self,
+        stream: u64,
+        epoch: u64,
+        outcome: std::result::Result<EventHandle, Option<EventHandle>>,
+        own: bool,
+    ) {
+        if own {
+            self.records_in_flight -= 1;
+        }
+        let f = self.streams.entry(stream);
+        match outcome {
+            Ok(event) => f.recorded(epoch, event),
+            Err(spare) => {
+                f.record_failed(epoch);
+                if let Some(event) = spare {
+                    f.return_event(event);
+                }
+            }
+        }
     }
 
-    /// Gives back an event that could not be recorded.
-    pub fn return_event(&mut self, stream: u64, event: EventHandle) {
-        self.streams.entry(stream).return_event(event);
-    }
-
-    /// Streams whose latest frees no recorded event covers: (stream, newest epoch, spare event).
+    /// Streams with a free whose own event record failed and that no record since covers:
+    /// (stream, newest epoch, spare event). Never a stream whose frees wait only for their own
+    /// records still in flight (see `StreamFrees::needs_event`).
     pub fn streams_needing_events(&mut self) -> Vec<(u64, u64, Option<EventHandle>)> {
         let mut out = Vec::new();
         for (s, f) in self.streams.iter_mut() {
@@ -580,9 +603,10 @@ impl Heap {
         }
     }
 
-    /// Whether some plan holds claimed chunks or addresses while it runs.
+    /// Whether some plan holds claimed chunks or addresses while it runs, or a free's own event
+    /// record is still to be settled: a request short of memory waits for either.
     pub fn has_inflight(&self) -> bool {
-        !self.inflight.is_empty()
+        !self.inflight.is_empty() || self.records_in_flight > 0
     }
 
     /// Whether frees on streams are still waiting for their events.

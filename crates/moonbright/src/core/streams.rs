@@ -45,6 +45,8 @@ pub(crate) struct StreamFrees {
     covered: Option<u64>,
     /// The highest epoch known to have completed.
     done: Option<u64>,
+    /// The highest epoch whose own event record failed: the worker records one for it.
+    failed: Option<u64>,
     /// Pages in this stream's pending ranges.
     range_pages: u64,
 }
@@ -158,9 +160,17 @@ impl StreamFrees {
         self.next_epoch.checked_sub(1)
     }
 
-    /// Whether some free is not yet covered by a recorded event.
+    /// Whether a free whose own event record failed waits for an event no record since covers:
+    /// the worker's to record. A free whose own record is still to come is not: its thread
+    /// records it, and once that free returns the user may destroy the stream, after which no
+    /// one may record on it.
     pub fn needs_event(&self) -> bool {
-        !self.items.is_empty() && self.newest_epoch() > self.covered
+        !self.items.is_empty() && self.failed > self.covered
+    }
+
+    /// Notes that the record of an event for the free of `epoch` failed.
+    pub fn record_failed(&mut self, epoch: u64) {
+        self.failed = self.failed.max(Some(epoch));
     }
 
     /// A spare event, if any.
@@ -312,16 +322,32 @@ mod tests {
     }
 
     #[test]
+    fn only_a_free_whose_own_record_failed_needs_the_workers_event() {
+        let mut s = StreamFrees::default();
+        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        assert!(!s.needs_event(), "the free's own record is still to come");
+        s.record_failed(e0);
+        assert!(s.needs_event(), "its own record failed");
+        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        s.recorded(e1, EventHandle(100));
+        assert!(!s.needs_event(), "the later free's event covers the failed one");
+        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        s.record_failed(e2);
+        assert!(s.needs_event());
+        assert_eq!(s.completed(e1, EventHandle(100)).len(), 2);
+        assert!(s.needs_event(), "the third free still waits for an event");
+        s.take_range(1).unwrap();
+        assert!(!s.needs_event(), "nothing left to cover");
+    }
+
+    #[test]
     fn an_event_completes_exactly_the_frees_before_it() {
         let mut s = StreamFrees::default();
         let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
-        assert!(s.needs_event());
         s.recorded(e0, EventHandle(100));
-        assert!(!s.needs_event());
         let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
         s.recorded(e1, EventHandle(101));
         s.push(3, Pending::Range { id: 3, pages: 1 });
-        assert!(s.needs_event(), "the third free has no event yet");
         assert_eq!(s.completed(e0, EventHandle(100)), vec![Pending::Range { id: 1, pages: 1 }]);
         assert_eq!(s.completed(e1, EventHandle(101)), vec![Pending::Range { id: 2, pages: 1 }]);
         assert_eq!(s.len(), 1);

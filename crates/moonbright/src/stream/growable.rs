@@ -103,7 +103,7 @@ impl Shared {
     /// later event on the stream, which the worker records, covers it).
     fn record_shrink(&self, event: Option<(u64, u64, Option<EventHandle>)>) {
         if let Some((stream, epoch, spare)) = event {
-            if let Err(e) = self.record(stream, epoch, spare) {
+            if let Err(e) = self.record(stream, epoch, spare, true) {
                 self.heap().note_deferred_error(e);
             }
         }

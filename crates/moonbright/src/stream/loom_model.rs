@@ -73,9 +73,12 @@ fn request(
     })
 }
 
-/// Checks the stamps of `live` (pointer, bytes, id), frees them all, gives everything back,
-/// and checks that nothing is left.
+/// Checks that no driver call failed behind the user's back (a deferred error), checks the
+/// stamps of `live` (pointer, bytes, id), frees them all, gives everything back, and checks
+/// that nothing is left.
 fn finish(a: &Allocator, live: &[(u64, usize, u64)]) {
+    let e = a.take_deferred_error();
+    assert!(e.is_none(), "a driver call failed: {e:?}");
     for &(p, len, id) in live {
         assert!(verify(a, p, len, id).unwrap(), "allocation {id} was overwritten");
     }
@@ -379,5 +382,31 @@ fn two_requests_and_a_window_refill() {
         let q = a.malloc(PAGE).unwrap();
         stamp(&*a, q, PAGE, 3).unwrap();
         finish(&a, &[(p1, PAGE, 1), (p2, 2 * PAGE, 2), (q, PAGE, 3)]);
+    });
+}
+
+/// A user destroys a stream as soon as a free on it returns (its own event is recorded by
+/// then), while the worker runs its pass: the worker must never record on that stream (on a
+/// GPU, a call on a destroyed stream), and the free still completes.
+#[test]
+fn a_stream_destroyed_right_after_its_free_beside_the_worker() {
+    model(|| {
+        let a = allocator(2, 2);
+        let s = a.driver().create_stream().unwrap();
+        let x = a.malloc_async(2 * PAGE, s).unwrap();
+        let f = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.free_async(x, s).unwrap();
+                a.driver().destroy_stream(s).unwrap();
+            })
+        };
+        let w = worker_passes(&a, 1);
+        f.join().unwrap();
+        w.join().unwrap();
+        // `finish` fails on the deferred error of a record on the destroyed stream.
+        let p = a.malloc(2 * PAGE).unwrap();
+        stamp(&*a, p, 2 * PAGE, 1).unwrap();
+        finish(&a, &[(p, 2 * PAGE, 1)]);
     });
 }

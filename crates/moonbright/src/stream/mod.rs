@@ -198,34 +198,31 @@ impl Shared {
         };
         // A failure here is not the caller's: the free took effect, and a later event on the
         // stream (the worker records one) covers it.
-        if let Err(e) = self.record(stream.0, epoch, spare) {
+        if let Err(e) = self.record(stream.0, epoch, spare, true) {
             self.heap().note_deferred_error(e);
         }
         // No wake-up here: a futex wake would double the cost of a free; the worker polls.
         Ok(())
     }
 
-    /// Records an event on `stream` covering the free of `epoch`.
+    /// Records an event on `stream` covering the free of `epoch`: the free's own record
+    /// (`own`), or the worker's for a free whose own record failed.
     fn record(
         &self,
         stream: u64,
         epoch: u64,
         spare: Option<EventHandle>,
+        own: bool,
     ) -> std::result::Result<(), DriverError> {
-        let event = match spare {
-            Some(e) => e,
-            None => self.driver.create_event()?,
+        let (outcome, r) = match spare.map_or_else(|| self.driver.create_event(), Ok) {
+            Ok(event) => match self.driver.record_event(event, StreamHandle(stream)) {
+                Ok(()) => (Ok(event), Ok(())),
+                Err(e) => (Err(Some(event)), Err(e)),
+            },
+            Err(e) => (Err(None), Err(e)),
         };
-        match self.driver.record_event(event, StreamHandle(stream)) {
-            Ok(()) => {
-                self.heap().event_recorded(stream, epoch, event);
-                Ok(())
-            }
-            Err(e) => {
-                self.heap().return_event(stream, event);
-                Err(e)
-            }
-        }
+        self.heap().record_settled(stream, epoch, outcome, own);
+        r
     }
 
     /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
@@ -301,11 +298,13 @@ impl Shared {
 
     // ---- events ---------------------------------------------------------------------------------
 
-    /// Records an event on every stream with frees no event covers yet.
+    /// Records an event on every stream with a free whose own record failed and that no event
+    /// covers yet. Frees whose own records are still to come are left to their threads: the
+    /// user may destroy a stream as soon as its frees have returned.
     pub fn record_missing_events(&self) {
         let needing = self.heap().streams_needing_events();
         for (stream, epoch, spare) in needing {
-            if let Err(e) = self.record(stream, epoch, spare) {
+            if let Err(e) = self.record(stream, epoch, spare, false) {
                 self.heap().note_deferred_error(e);
             }
         }

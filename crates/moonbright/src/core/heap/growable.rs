@@ -239,6 +239,7 @@ impl Heap {
                 let epoch = self.streams.push(s, Pending::Mark);
                 self.quarantine.extend(tail.iter().map(|&c| (c, s, epoch)));
                 self.retire_after(va, len, tail, Some((s, epoch)));
+                self.records_in_flight += 1;
                 Some((s, epoch, self.streams.entry(s).event_to_record(super::EVENTS_IN_FLIGHT)))
             }
             None => {
