@@ -127,6 +127,28 @@ fn only_a_free_whose_own_record_failed_gets_a_later_event() {
     a.check_invariants().unwrap();
 }
 
+/// A stream a request, as a server may make them: each frees once and is destroyed. Once a
+/// stream's frees have completed, the allocator forgets it and its events go back to the
+/// stock, so 500 streams reuse one event instead of creating one each (and polls do not walk
+/// every stream ever used).
+#[test]
+fn streams_used_once_and_destroyed_leave_nothing_behind() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let creates = || a.stats().driver_calls.get(CallKind::EventCreate);
+    for i in 0..500 {
+        let s = a.driver().create_stream().unwrap();
+        let len = if i % 2 == 0 { 3 * PAGE } else { 1000 };
+        let p = a.malloc_async(len, s).unwrap();
+        stamp(&a, p, len, i).unwrap();
+        a.free_async(p, s).unwrap();
+        assert!(a.poll(), "stream {i}'s free did not complete");
+        a.driver().destroy_stream(s).unwrap();
+    }
+    assert_eq!(creates(), 1, "events created for 500 streams");
+    assert!(a.take_deferred_error().is_none());
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn sub_page_blocks_follow_the_same_order() {
     let a = Allocator::new(opts(false)).unwrap();

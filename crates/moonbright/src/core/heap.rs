@@ -573,7 +573,9 @@ impl Heap {
     /// Notes that every event of `stream` up to `event` has completed: what they cover becomes
     /// free for every stream.
     pub fn events_completed(&mut self, stream: u64, epoch: u64, event: EventHandle) {
-        let done = self.streams.entry(stream).completed(epoch, event);
+        // A stream already forgotten: another poller applied this completion.
+        let Some(f) = self.streams.get_mut(stream) else { return };
+        let done = f.completed(epoch, event);
         let free = self.streams.get(stream).map(|f| {
             self.quarantine
                 .iter()
@@ -600,6 +602,9 @@ impl Heap {
                 // A growable's shrink: its chunks left the quarantine above.
                 Pending::Mark => {}
             }
+        }
+        if let Some(spare) = self.streams.forget_if_idle(stream) {
+            self.event_stock.extend(spare);
         }
     }
 
@@ -1189,7 +1194,8 @@ impl Heap {
         let streams = &self.streams;
         let ready = |r: &Retired| match r.after {
             None => true,
-            Some((s, epoch)) => streams.get(s).is_some_and(|f| f.is_done(epoch)),
+            // A stream forgotten had every epoch done (`Streams::forget_if_idle`).
+            Some((s, epoch)) => streams.get(s).map_or(true, |f| f.is_done(epoch)),
         };
         let max = self.lim.unmap_run_handles;
         let frees_it = only.and_then(|c| {

@@ -35,8 +35,9 @@ pub(crate) struct StreamFrees {
     items: BTreeMap<u64, Item>,
     ranges_by_size: BTreeSet<(u64, u64)>,
     blocks_by_size: BTreeSet<(u64, u64)>,
-    /// The epoch the next free gets; every event recorded after a free covers its epoch.
-    next_epoch: u64,
+    /// The newest free's epoch. Epochs are the frees' global sequence numbers, so they only
+    /// grow, across streams and across a stream forgotten and seen again.
+    newest: Option<u64>,
     /// Events recorded, oldest first, with the newest epoch each covers.
     events: VecDeque<(u64, EventHandle)>,
     /// Events done and ready to be recorded again.
@@ -61,10 +62,17 @@ impl StreamFrees {
         self.items.len()
     }
 
-    /// Records a free; returns its epoch.
+    /// A stream seen for the first time, or again after it was forgotten, when the next free's
+    /// sequence number is `next_seq`: every epoch before it that was this stream's had completed
+    /// (a stream is forgotten only then), so it counts as done.
+    pub fn new(next_seq: u64) -> Self {
+        StreamFrees { done: next_seq.checked_sub(1), ..Default::default() }
+    }
+
+    /// Records a free, whose epoch is its global sequence number `seq`; returns the epoch.
     pub fn push(&mut self, seq: u64, what: Pending) -> u64 {
-        let epoch = self.next_epoch;
-        self.next_epoch += 1;
+        let epoch = seq;
+        self.newest = Some(epoch);
         self.items.insert(seq, Item { epoch, what });
         match what {
             Pending::Range { pages, .. } => {
@@ -157,7 +165,19 @@ impl StreamFrees {
 
     /// The newest epoch handed out, if any free happened: an event recorded now covers it.
     pub fn newest_epoch(&self) -> Option<u64> {
-        self.next_epoch.checked_sub(1)
+        self.newest
+    }
+
+    /// Whether nothing here is left to wait for: no pending free, no event listed, and every
+    /// epoch handed out known complete (so nothing retired or quarantined waits for this
+    /// stream). Such a stream can be forgotten.
+    pub fn is_idle(&self) -> bool {
+        self.items.is_empty() && self.events.is_empty() && self.newest <= self.done
+    }
+
+    /// Takes the spare events, for the stock, when the stream is forgotten.
+    pub fn take_spare_events(&mut self) -> Vec<EventHandle> {
+        std::mem::take(&mut self.spare_events)
     }
 
     /// Whether a free whose own event record failed waits for an event no record since covers:
@@ -268,17 +288,30 @@ impl Streams {
     }
 
     pub fn entry(&mut self, stream: u64) -> &mut StreamFrees {
-        self.by_stream.entry(stream).or_default()
+        let next_seq = self.next_seq;
+        self.by_stream.entry(stream).or_insert_with(|| StreamFrees::new(next_seq))
     }
 
     /// Records a free on `stream`; returns its epoch.
     pub fn push(&mut self, stream: u64, what: Pending) -> u64 {
         let seq = self.next_seq;
-        self.next_seq += 1;
         if let Pending::Range { pages, .. } = what {
             self.pending_pages += pages;
         }
-        self.entry(stream).push(seq, what)
+        let epoch = self.entry(stream).push(seq, what);
+        self.next_seq += 1;
+        epoch
+    }
+
+    /// Forgets `stream` if it is idle (`StreamFrees::is_idle`), returning its spare events: a
+    /// program that makes a stream per task and destroys it leaves nothing behind, and polls
+    /// walk only the streams with something pending. A stream forgotten and seen again starts
+    /// with every earlier epoch done (`StreamFrees::new`).
+    pub fn forget_if_idle(&mut self, stream: u64) -> Option<Vec<EventHandle>> {
+        if !self.by_stream.get(&stream)?.is_idle() {
+            return None;
+        }
+        self.by_stream.remove(&stream).map(|mut f| f.take_spare_events())
     }
 
     /// Notes that a range left the pending lists (reused or completed).
@@ -338,6 +371,32 @@ mod tests {
         assert!(s.needs_event(), "the third free still waits for an event");
         s.take_range(1).unwrap();
         assert!(!s.needs_event(), "nothing left to cover");
+    }
+
+    #[test]
+    fn an_idle_stream_is_forgotten_and_seen_again_with_its_past_done() {
+        let mut all = Streams::default();
+        let e0 = all.push(7, Pending::Range { id: 1, pages: 1 });
+        assert!(all.forget_if_idle(7).is_none(), "a free is pending");
+        all.entry(7).recorded(e0, EventHandle(1));
+        assert_eq!(all.entry(7).completed(e0, EventHandle(1)).len(), 1);
+        assert_eq!(all.forget_if_idle(7), Some(vec![EventHandle(1)]), "its event goes back");
+        assert!(all.get(7).is_none());
+
+        let e1 = all.push(7, Pending::Range { id: 2, pages: 1 });
+        assert!(e1 > e0, "epochs keep growing across a forgotten stream");
+        assert!(all.get(7).unwrap().is_done(e0), "the stream's past counts as done");
+        assert!(!all.get(7).unwrap().is_done(e1), "its new free does not");
+        // Taken back by its own stream, with its record failed: nothing pending and no event
+        // listed, but its epoch is not known done (something retired may wait for it).
+        all.entry(7).record_failed(e1);
+        all.get_mut(7).unwrap().take_range(1).unwrap();
+        assert!(all.forget_if_idle(7).is_none(), "an epoch not known done");
+        let e2 = all.push(7, Pending::Range { id: 3, pages: 1 });
+        all.entry(7).recorded(e2, EventHandle(2));
+        assert_eq!(all.entry(7).completed(e2, EventHandle(2)).len(), 1);
+        assert!(all.get(7).unwrap().is_done(e1));
+        assert_eq!(all.forget_if_idle(7), Some(vec![EventHandle(2)]));
     }
 
     #[test]

@@ -277,7 +277,7 @@ impl Heap {
                     || self.quarantine.iter().any(|q| {
                         q.0 == c
                             && (q.1 == stream
-                                || self.streams.get(q.1).is_some_and(|f| f.is_done(q.2)))
+                                || self.streams.get(q.1).map_or(true, |f| f.is_done(q.2)))
                     })
             };
             if !r.chunks[..k].iter().all(|&c| free(c)) {
