@@ -195,6 +195,41 @@ fn frees_from_other_threads(a: &Allocator) {
     a.check_invariants().unwrap();
 }
 
+/// A stream a task, as a server may make them, from four threads: each stream allocates,
+/// frees on itself and is destroyed at once (legal with `cudaFreeAsync`). No driver call may
+/// fail behind the user's back (a record on a destroyed stream would), every stamp holds, and
+/// the allocator forgets finished streams, so events are reused rather than created a stream.
+fn short_lived_streams(a: &Allocator) {
+    use moonbright::driver::Driver;
+    let page = a.page_size();
+    let creates = || a.stats().driver_calls.get(moonbright::CallKind::EventCreate);
+    let before = creates();
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            sc.spawn(move || {
+                for i in 0..250u64 {
+                    let s = a.driver().create_stream().unwrap();
+                    let size = ((t * 250 + i) * 104_729 % (3 * page as u64)) as usize + 1;
+                    let p = a.malloc_async(size, s).unwrap();
+                    stamp(a, p, size, t * 1000 + i).unwrap();
+                    assert!(verify(a, p, size, t * 1000 + i).unwrap());
+                    a.free_async(p, s).unwrap();
+                    a.driver().destroy_stream(s).unwrap();
+                    a.poll();
+                }
+            });
+        }
+    });
+    let e = a.take_deferred_error();
+    assert!(e.is_none(), "a driver call failed behind the user's back: {e:?}");
+    // The worker's stock (256) and a few events a thread: far fewer than the 1,000 streams.
+    let made = creates() - before;
+    assert!(made <= 512, "{made} events created for 1,000 streams");
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().allocations.current, 0);
+    a.check_invariants().unwrap();
+}
+
 fn fragmentation_scenario(a: &Allocator) {
     let block = 4 * a.page_size();
     let r = fragmentation(a, block, a.cap()).unwrap();
@@ -364,6 +399,12 @@ macro_rules! suite {
             fn frees_from_other_threads() {
                 if let Some(a) = make() {
                     super::frees_from_other_threads(&a)
+                }
+            }
+            #[test]
+            fn short_lived_streams() {
+                if let Some(a) = make() {
+                    super::short_lived_streams(&a)
                 }
             }
             #[test]
