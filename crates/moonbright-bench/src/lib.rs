@@ -35,9 +35,11 @@ pub fn background_option(opts: &mut Options, on: bool) {
     opts.background = on;
 }
 
-/// The window `Options::default()` has: (min, max) bytes.
+/// The default window, or the one `MOONBRIGHT_ALLOC_CONF` sets: (min, max) bytes. (It read
+/// `Options::default()` alone before, so the stress's and latency's MoonBright runs ignored a
+/// window set there.)
 pub fn default_window() -> (u64, u64) {
-    let d = Options::default();
+    let d = env_options();
     (d.prefetch_window_min, d.prefetch_window_max)
 }
 
