@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every test MoonBright has that runs without a GPU: formatting, lints, the workspace's unit,
-# conformance, stream, fault-injection, trace and C API tests, the loom model checks, and the
-# Python package's tests. GPU tests skip with a message here; scripts/gpu-check.sh runs them on a
-# machine with a GPU.
+# conformance, stream, fault-injection, trace and C API tests, the loom model checks, the CPU
+# tests again under the thread and address sanitizers, and the Python package's tests. GPU
+# tests skip with a message here; scripts/gpu-check.sh runs them on a machine with a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +19,9 @@ RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
   cargo test -p moonbright --release --lib loom_model
 RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
   cargo test -p moonbright --test loom --release
+# The same CPU tests under ThreadSanitizer and AddressSanitizer (a pinned nightly, installed if
+# missing; skipped with a message if it cannot be).
+bash scripts/sanitize.sh thread address
 
 # The Python package: build the abi3 wheel, install it into a private folder, run pytest.
 python3 -m maturin --version >/dev/null 2>&1 || python3 -m pip install -q maturin

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the core's CPU tests under valgrind's memcheck (Miri and the sanitizers need a nightly
-# toolchain, which our machines do not have): the unit tests, the stream, fault-injection and
-# host conformance tests, growable allocations and the paged pool. Exits non-zero on any test
-# failure or memcheck error.
+# Runs the core's CPU tests under valgrind's memcheck: the unit tests, the stream,
+# fault-injection and host conformance tests, growable allocations and the paged pool. Exits
+# non-zero on any test failure or memcheck error. (scripts/sanitize.sh runs them under the
+# thread and address sanitizers, and the unit tests under Miri.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 1; }

@@ -536,6 +536,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "the host backend's memfd and mmap calls are outside Miri")]
     fn vmm_calls_are_timed_and_others_are_not() {
         let cfg = host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
         let d = Instrumented::new(host::HostDriver::new(cfg).unwrap());
