@@ -13,7 +13,8 @@
 #                                        # run them)
 #
 # The C example (it links the library into a C program built without the sanitizer) and the
-# header check are not run here; scripts/test.sh runs them. If the toolchain cannot be
+# header check are not run here; scripts/test.sh runs them. Leaks inside NVIDIA's libnvrtc are
+# suppressed (scripts/lsan.supp). If the toolchain cannot be
 # installed, the script says so and exits 0 (the tests then ran only without sanitizers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,7 @@ for run in "${runs[@]}"; do
       for tests in "-p moonbright --lib --tests" "-p moonbright-capi --lib --test api --test paged"; do
         # shellcheck disable=SC2086 # $tests is a list of arguments
         RUSTFLAGS="-Zsanitizer=$run" CARGO_TARGET_DIR="target/san-$run" \
+          LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp" \
           cargo "+$nightly" test -Zbuild-std --target "$target" --release $tests
       done
       ;;
