@@ -410,3 +410,33 @@ fn a_stream_destroyed_right_after_its_free_beside_the_worker() {
         finish(&a, &[(p, 2 * PAGE, 1)]);
     });
 }
+
+/// A stream whose frees have all completed is forgotten (its events go to the stock) and seen
+/// again at its next free, while the worker's pass polls: a completion the worker applies late,
+/// for an event the stream no longer lists, changes nothing, and every free still completes.
+#[test]
+fn a_stream_forgotten_and_seen_again_beside_the_worker() {
+    model(|| {
+        let a = allocator(4, 2);
+        let s = a.driver().create_stream().unwrap();
+        let x = a.malloc_async(PAGE, s).unwrap();
+        let y = a.malloc_async(PAGE, s).unwrap();
+        let f = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.free_async(x, s).unwrap();
+                a.poll();
+                a.free_async(y, s).unwrap();
+            })
+        };
+        let w = worker_passes(&a, 1);
+        f.join().unwrap();
+        w.join().unwrap();
+        a.poll();
+        // Both frees completed: another stream gets both pages as cached ranges.
+        let t = request(&a, PAGE, Some(StreamHandle::DEFAULT), 1);
+        let p = t.join().unwrap();
+        assert!(p == x || p == y, "a completed free was not reused");
+        finish(&a, &[(p, PAGE, 1)]);
+    });
+}
