@@ -576,17 +576,15 @@ impl Heap {
         // A stream already forgotten: another poller applied this completion.
         let Some(f) = self.streams.get_mut(stream) else { return };
         let done = f.completed(epoch, event);
-        let free = self.streams.get(stream).map(|f| {
-            self.quarantine
-                .iter()
-                .filter(|q| q.1 == stream && f.is_done(q.2))
-                .map(|q| q.0)
-                .collect::<Vec<_>>()
+        // Quarantined chunks of this stream whose epoch is now done become bare, in order.
+        let pool = &mut self.pool;
+        self.quarantine.retain(|q| {
+            let free = q.1 == stream && f.is_done(q.2);
+            if free {
+                pool.put_bare(q.0);
+            }
+            !free
         });
-        for c in free.unwrap_or_default() {
-            self.quarantine.retain(|q| q.0 != c);
-            self.pool.put_bare(c);
-        }
         for item in done {
             match item {
                 Pending::Range { id, pages } => {
