@@ -406,6 +406,23 @@ int mb_malloc_async(struct mb_allocator *alloc, size_t size, void *stream, uint6
 int mb_free_async(struct mb_allocator *alloc, uint64_t ptr, void *stream);
 
 /**
+ * Notes that work queued on `stream` (a `CUstream`, NULL for the default stream) uses the
+ * allocation at `ptr`, made for another stream: PyTorch's `Tensor.record_stream`. Its
+ * `mb_free_async` then also records an event on `stream`, and no stream (the freeing one
+ * included) reuses the memory until every such event has completed. No driver call here;
+ * `stream` must still exist when the allocation is freed. `mb_free` ignores these uses.
+ *
+ * Returns `MB_ERR_INVALID_POINTER` for a pointer that is not the start of a live allocation,
+ * `MB_ERR_INVALID_ARGUMENT` for a NULL `alloc` or a growable allocation; nothing changes then.
+ * The `mb_free_async` that follows returns `MB_ERR_STREAM_CAPTURE`, and frees nothing, while
+ * `stream` is being captured into a CUDA graph.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_record_stream(struct mb_allocator *alloc, uint64_t ptr, void *stream);
+
+/**
  * Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
  *
  * Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed

@@ -202,7 +202,9 @@ fn status_of(e: &Error) -> c_int {
     match e {
         Error::OutOfMemory { .. } | Error::AddressSpaceExhausted { .. } => MB_ERR_OUT_OF_MEMORY,
         Error::TooLarge { .. } | Error::BeyondCapacity { .. } => MB_ERR_TOO_LARGE,
-        Error::ZeroSize | Error::InvalidOption { .. } => MB_ERR_INVALID_ARGUMENT,
+        Error::ZeroSize | Error::InvalidOption { .. } | Error::GrowableStreamUse { .. } => {
+            MB_ERR_INVALID_ARGUMENT
+        }
         Error::UnknownPointer { .. }
         | Error::DoubleFree { .. }
         | Error::InteriorPointer { .. }
@@ -496,6 +498,33 @@ pub unsafe extern "C" fn mb_free_async(
         // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
         let a = unsafe { allocator(alloc) }?;
         a.free_async(ptr, StreamHandle(stream as u64))?;
+        Ok(())
+    })
+}
+
+/// Notes that work queued on `stream` (a `CUstream`, NULL for the default stream) uses the
+/// allocation at `ptr`, made for another stream: PyTorch's `Tensor.record_stream`. Its
+/// `mb_free_async` then also records an event on `stream`, and no stream (the freeing one
+/// included) reuses the memory until every such event has completed. No driver call here;
+/// `stream` must still exist when the allocation is freed. `mb_free` ignores these uses.
+///
+/// Returns `MB_ERR_INVALID_POINTER` for a pointer that is not the start of a live allocation,
+/// `MB_ERR_INVALID_ARGUMENT` for a NULL `alloc` or a growable allocation; nothing changes then.
+/// The `mb_free_async` that follows returns `MB_ERR_STREAM_CAPTURE`, and frees nothing, while
+/// `stream` is being captured into a CUDA graph.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_record_stream(
+    alloc: *mut mb_allocator,
+    ptr: u64,
+    stream: *mut c_void,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        a.record_stream(ptr, StreamHandle(stream as u64))?;
         Ok(())
     })
 }

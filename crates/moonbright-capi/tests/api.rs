@@ -387,6 +387,29 @@ fn stream_ordered_malloc_and_free() {
 }
 
 #[test]
+fn record_stream_statuses() {
+    let a = create(&host_options());
+    let null = std::ptr::null_mut();
+    let (mut p, mut g) = (0u64, 0u64);
+    // SAFETY: `a` is live, `p` and `g` live locals; a NULL stream is the default stream.
+    unsafe {
+        assert_eq!(mb_malloc_async(a, 3 << 20, null, &mut p), MB_OK, "{}", last_error());
+        assert_eq!(mb_record_stream(a, p, null), MB_OK, "{}", last_error());
+        assert_eq!(mb_record_stream(a, p + 256, null), MB_ERR_INVALID_POINTER);
+        assert!(last_error().contains("into the live allocation"), "{}", last_error());
+        assert_eq!(mb_record_stream(std::ptr::null_mut(), p, null), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_reserve_growable(a, 8 << 20, &mut g), MB_OK, "{}", last_error());
+        assert_eq!(mb_record_stream(a, g, null), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("growable"), "{}", last_error());
+        assert_eq!(mb_free(a, g), MB_OK);
+        // Recorded on the stream it is freed on: an ordinary stream-ordered free.
+        assert_eq!(mb_free_async(a, p, null), MB_OK, "{}", last_error());
+        assert_eq!(mb_record_stream(a, p, null), MB_ERR_INVALID_POINTER, "freed already");
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
 fn growable_reserve_resize_info_release() {
     // SAFETY: every pointer passed is NULL where the test means it, else points to a live
     // local or is a live handle from `mb_create`.

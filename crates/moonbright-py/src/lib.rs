@@ -401,6 +401,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
         ("deferred_errors", s.deferred_errors),
         ("growable_resizes", s.growable_resizes),
         ("pending_free_waits", s.pending_free_waits),
+        ("joined_frees", s.joined_frees),
         ("growable_reclaims", s.growable_reclaims),
         ("cap_bytes", cap),
         ("page_size", page as u64),

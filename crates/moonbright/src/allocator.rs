@@ -254,6 +254,18 @@ impl Allocator {
         self.shared.free_async(ptr, stream)
     }
 
+    /// Notes that work queued on `stream` uses the allocation at `ptr`, which was made for (and
+    /// will be freed on) another stream: PyTorch's `Tensor.record_stream`. Its `free_async`
+    /// then waits for `stream` too. It records an event on `stream` as well as on the freeing
+    /// stream, and no stream, the freeing one included, reuses the memory until both events
+    /// have completed. No driver call here. `stream` must still exist when the allocation is
+    /// freed. A synchronous `free` ignores these uses: its caller vouches that the device is
+    /// done. Growable allocations are refused (`Error::GrowableStreamUse`), and so are pointers
+    /// that are not the start of a live allocation; either way nothing changes.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.shared.record_stream(ptr, stream)
+    }
+
     /// Reserves `capacity` bytes of addresses (rounded up to pages) for a *growable*
     /// allocation and returns its address, which never changes. It holds no physical memory
     /// until resized: [`resize_async`](Self::resize_async) commits pages at its end, in place,

@@ -39,8 +39,9 @@ pub enum Error {
     /// `malloc(0)`.
     #[error("cannot allocate 0 bytes")]
     ZeroSize,
-    /// A free of an address this allocator never returned (or returned long ago and forgot).
-    #[error("free of unknown pointer {ptr:#x}: this allocator did not return it, or it was freed already")]
+    /// A free (or `record_stream`) of an address this allocator never returned, or returned and
+    /// freed already.
+    #[error("unknown pointer {ptr:#x}: this allocator did not return it, or it was freed already")]
     UnknownPointer {
         /// The pointer passed.
         ptr: u64,
@@ -51,10 +52,11 @@ pub enum Error {
         /// The pointer passed.
         ptr: u64,
     },
-    /// A free of an address inside a live allocation rather than at its start.
+    /// A free (or `record_stream`) of an address inside a live allocation rather than at its
+    /// start.
     #[error(
-        "free of {ptr:#x}, which points {offset} bytes into the live allocation at {base:#x}: \
-         free takes the pointer that malloc returned"
+        "{ptr:#x} points {offset} bytes into the live allocation at {base:#x}: free and \
+         record_stream take the pointer that malloc returned"
     )]
     InteriorPointer {
         /// The pointer passed.
@@ -87,6 +89,15 @@ pub enum Error {
         requested: u64,
         /// Its capacity.
         capacity: u64,
+    },
+    /// `record_stream` on a growable allocation.
+    #[error(
+        "record_stream({ptr:#x}): a growable allocation does not track other streams' uses; order \
+         their work before the stream that resizes or frees it (an event and a wait)"
+    )]
+    GrowableStreamUse {
+        /// The pointer passed.
+        ptr: u64,
     },
     /// A bad option value.
     #[error("invalid option `{name}`: {reason}")]

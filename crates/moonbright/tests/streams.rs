@@ -532,3 +532,149 @@ fn a_split_unmaps_only_the_ranges_that_still_map_its_chunk() {
     a.free(big).unwrap();
     a.free(d).unwrap();
 }
+
+/// `record_stream` (PyTorch's `Tensor.record_stream`): an allocation made and freed on s0 but
+/// also used by s1's work is reused by no stream, s0 included, until both streams have passed
+/// the free. Without it, s0 would reuse the range at once while s1 still reads it.
+#[test]
+fn a_free_recorded_on_another_stream_waits_for_both() {
+    for size in [3 * PAGE, 1000] {
+        let a = Allocator::new(opts(false)).unwrap();
+        let s = streams(&a, 3);
+        let p = a.malloc_async(size, s[0]).unwrap();
+        stamp(&a, p, size, 1).unwrap();
+        a.record_stream(p, s[1]).unwrap();
+        a.record_stream(p, s[1]).unwrap(); // twice is once
+        host(&a).hold_stream(s[1]);
+        let records = a.stats().driver_calls.get(CallKind::EventRecord);
+        a.free_async(p, s[0]).unwrap();
+        assert_eq!(a.stats().driver_calls.get(CallKind::EventRecord), records + 2);
+        assert_eq!(a.stats().joined_frees, 1);
+
+        // s0's own work is done, s1's is not: nobody gets the memory, not even s0.
+        a.poll();
+        let q = a.malloc_async(size, s[0]).unwrap();
+        let r = a.malloc_async(size, s[2]).unwrap();
+        assert!(q != p && r != p, "{size} B: reused while s1 may still use it");
+        stamp(&a, q, size, 2).unwrap();
+        stamp(&a, r, size, 3).unwrap();
+        assert!(verify(&a, p, size, 1).unwrap());
+        a.check_invariants().unwrap();
+
+        // Once s1 has passed the free too, it is free for every stream, as it is.
+        host(&a).release_stream(s[1]);
+        assert!(a.poll());
+        let hits = a.stats().cache_hits;
+        let again = a.malloc_async(size, s[2]).unwrap();
+        assert_eq!(again, p, "{size} B: the completed free was not reused as it is");
+        if size >= PAGE {
+            assert_eq!(a.stats().cache_hits, hits + 1);
+        }
+        for x in [q, r, again] {
+            a.free_async(x, s[2]).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+/// The stream the free is ordered on may itself be among those recorded, and the allocation
+/// may be freed on any stream: the free waits for that stream and each recorded one, once.
+#[test]
+fn record_stream_on_the_freeing_stream_adds_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.record_stream(p, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    assert_eq!(a.stats().joined_frees, 0);
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]).unwrap(), p, "the freeing stream reuses at once");
+
+    // Freed on s1 alone: no wait for s0 (as with cudaFreeAsync, the caller orders s0's work
+    // before s1's). Recorded on s0 (and s1), freed on s1: waits for both.
+    a.record_stream(p, s[1]).unwrap();
+    a.free_async(p, s[1]).unwrap();
+    assert_eq!(a.stats().joined_frees, 0);
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
+    a.record_stream(p, s[0]).unwrap();
+    a.record_stream(p, s[1]).unwrap();
+    host(&a).hold_stream(s[0]);
+    a.free_async(p, s[1]).unwrap();
+    assert_eq!(a.stats().joined_frees, 1);
+    a.poll();
+    assert_ne!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
+    host(&a).release_stream(s[0]);
+    assert!(a.poll());
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
+    a.check_invariants().unwrap();
+}
+
+/// Bad pointers are refused and change nothing; a synchronous free ignores recorded uses (its
+/// caller vouches that the device is done); a growable allocation is refused.
+#[test]
+fn record_stream_refuses_what_is_not_a_live_allocation() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    let small = a.malloc_async(1000, s[0]).unwrap();
+    assert!(matches!(a.record_stream(p + 256, s[1]), Err(Error::InteriorPointer { .. })));
+    assert!(matches!(a.record_stream(small + 256, s[1]), Err(Error::InteriorPointer { .. })));
+    assert!(matches!(a.record_stream(0x1234, s[1]), Err(Error::UnknownPointer { .. })));
+    let g = a.reserve_growable(8 * PAGE).unwrap();
+    let e = a.record_stream(g, s[1]).unwrap_err();
+    assert!(matches!(e, Error::GrowableStreamUse { .. }), "{e}");
+    assert!(e.to_string().contains("growable"), "{e}");
+    a.free(g).unwrap();
+
+    a.record_stream(p, s[1]).unwrap();
+    host(&a).hold_stream(s[1]);
+    a.free(p).unwrap();
+    assert_eq!(a.stats().joined_frees, 0);
+    assert_eq!(a.malloc(3 * PAGE).unwrap(), p, "a synchronous free waits for no stream");
+    a.free(p).unwrap();
+    let e = a.record_stream(p, s[1]).unwrap_err();
+    assert!(matches!(e, Error::UnknownPointer { .. }), "a freed pointer: {e}");
+    assert!(e.to_string().starts_with("unknown pointer"), "{e}");
+    a.free_async(small, s[0]).unwrap();
+    host(&a).release_stream(s[1]);
+    a.check_invariants().unwrap();
+}
+
+/// While a recorded stream is being captured into a graph, the free is refused and changes
+/// nothing (an event recorded there would join the graph); after the capture it goes through.
+#[test]
+fn a_free_recorded_on_a_capturing_stream_is_refused() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.record_stream(p, s[1]).unwrap();
+    host(&a).begin_capture(s[1]);
+    assert!(matches!(a.free_async(p, s[0]), Err(Error::StreamCapture { .. })));
+    assert_eq!(a.usable_size(p), Some(3 * PAGE), "the refused free changed something");
+    host(&a).end_capture(s[1]);
+    a.free_async(p, s[0]).unwrap();
+    assert!(a.poll());
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
+    a.check_invariants().unwrap();
+}
+
+/// When the event on a recorded stream cannot be recorded, the free still completes: a poll
+/// records the missing event, and nothing is lost. A request short of memory waits for a
+/// joined free instead of failing.
+#[test]
+fn a_joined_free_survives_a_failed_record_and_serves_a_request_short_of_memory() {
+    let a = Allocator::new(Options { cap_bytes: Some(8 * PAGE as u64), ..opts(false) }).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(8 * PAGE, s[0]).unwrap();
+    a.record_stream(p, s[1]).unwrap();
+    // The second record of the free (on s1) fails.
+    a.driver().fail_nth(CallKind::EventRecord, 2, None);
+    a.free_async(p, s[0]).unwrap();
+    assert!(a.take_deferred_error().is_some(), "the failed record was not reported");
+    // Every page is in the joined free: another stream's request waits for it, then reuses it.
+    let q = a.malloc_async(8 * PAGE, s[1]).unwrap();
+    assert_eq!(q, p);
+    assert!(a.take_deferred_error().is_none());
+    assert_eq!(a.stats().num_ooms, 0);
+    a.free_async(q, s[1]).unwrap();
+    a.check_invariants().unwrap();
+}

@@ -28,6 +28,10 @@ pub(crate) use growable::Resize;
 /// Index of a range in the heap.
 pub(crate) type RangeId = u32;
 
+/// An event a free asks its caller to record: (stream, epoch it covers, a spare event to record,
+/// if there is one).
+pub(crate) type StreamRecord = (u64, u64, Option<EventHandle>);
+
 /// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
 const RECENT_FREES: usize = 4096;
 
@@ -68,12 +72,15 @@ enum Backing {
     Sub { arena: RangeId, offset: u64 },
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Live {
     size: u64,
     rounded: u64,
     stream: u64,
     backing: Backing,
+    /// Other streams whose work uses it (`record_use`), if any: a free on a stream waits for
+    /// them too.
+    uses: Vec<u64>,
 }
 
 /// What a plan in flight, or a release in flight, holds until it commits.
@@ -419,7 +426,7 @@ impl Heap {
         self.stats.allocations.add(1);
         self.recent_free_gen.remove(&ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
-        let prev = self.live.insert(ptr, Live { size, rounded, stream, backing });
+        let prev = self.live.insert(ptr, Live { size, rounded, stream, backing, uses: Vec::new() });
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }
 
@@ -471,10 +478,34 @@ impl Heap {
         Ok(())
     }
 
+    /// Notes that work on `stream` uses the live allocation at `ptr` (PyTorch's
+    /// `recordStream`): a later `free_on_stream` waits for `stream`'s work queued before it too.
+    /// Refuses a pointer that is not the start of a live allocation, and changes nothing then.
+    pub fn record_use(&mut self, ptr: u64, stream: u64) -> Result<()> {
+        let Some(live) = self.live.get_mut(&ptr) else {
+            return Err(match self.classify_bad_free(ptr) {
+                Error::DoubleFree { ptr } => Error::UnknownPointer { ptr },
+                e => e,
+            });
+        };
+        if !live.uses.contains(&stream) {
+            live.uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// The streams other than the allocating one that use the live allocation at `ptr`.
+    pub fn uses_of(&self, ptr: u64) -> Vec<u64> {
+        self.live.get(&ptr).map(|l| l.uses.clone()).unwrap_or_default()
+    }
+
     /// Frees in `stream`'s order: reusable at once by `stream`, by others once an event recorded
-    /// after this free has completed. Returns the free's epoch and a spare event to record, if the
-    /// stream has one (else the caller creates one).
-    pub fn free_on_stream(&mut self, ptr: u64, stream: u64) -> Result<(u64, Option<EventHandle>)> {
+    /// after this free has completed. Returns, for each stream that needs an event recorded now,
+    /// (stream, epoch, spare event if there is one, else the caller creates one): `stream` alone,
+    /// or, for an allocation other streams use too (`record_use`), each of those streams and
+    /// `stream`. Such a free is joined (`Streams::push_joined`): no stream, `stream` included,
+    /// reuses it until each one's work queued before the free has completed.
+    pub fn free_on_stream(&mut self, ptr: u64, stream: u64) -> Result<Vec<StreamRecord>> {
         let live = self.take_live(ptr)?;
         self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
         let what = match live.backing {
@@ -486,14 +517,26 @@ impl Heap {
                 Pending::Block { ptr, arena, offset, rounded: live.rounded }
             }
         };
-        let epoch = self.streams.push(stream, what);
-        self.records_in_flight += 1;
-        let spare = self
-            .streams
-            .entry(stream)
-            .event_to_record(EVENTS_IN_FLIGHT)
-            .or_else(|| self.event_stock.pop());
-        Ok((epoch, spare))
+        let mut streams = vec![stream];
+        streams.extend(live.uses.iter().filter(|&&u| u != stream));
+        let waits = if streams.len() == 1 {
+            vec![(stream, self.streams.push(stream, what))]
+        } else {
+            self.stats.joined_frees += 1;
+            self.streams.push_joined(&streams, what)
+        };
+        Ok(waits
+            .into_iter()
+            .map(|(s, epoch)| {
+                self.records_in_flight += 1;
+                let spare = self
+                    .streams
+                    .entry(s)
+                    .event_to_record(EVENTS_IN_FLIGHT)
+                    .or_else(|| self.event_stock.pop());
+                (s, epoch, spare)
+            })
+            .collect())
     }
 
     /// How many events the stock lacks, once it is down to half of `target` (0 otherwise).
@@ -585,7 +628,9 @@ impl Heap {
             }
             !free
         });
-        for item in done {
+        // Then the joined frees this completion finished: their other streams were done before.
+        let joined = self.streams.take_joined_done();
+        for item in done.into_iter().chain(joined) {
             match item {
                 Pending::Range { id, pages } => {
                     self.streams.range_left(pages);
@@ -597,7 +642,8 @@ impl Heap {
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
                     self.release_backing(Backing::Sub { arena, offset });
                 }
-                // A growable's shrink: its chunks left the quarantine above.
+                // A growable's shrink (its chunks left the quarantine above), or a joined free's
+                // mark on this stream (the free itself completes with its last mark).
                 Pending::Mark => {}
             }
         }
@@ -1449,16 +1495,27 @@ impl Heap {
             return Err("cache indexes disagree with the ranges".into());
         }
         let mut pending_ranges = 0;
-        for (_, f) in self.streams.iter() {
-            for item in f.items() {
-                if let Pending::Range { id, pages } = item {
-                    pending_ranges += pages;
-                    match self.ranges.get(id as usize).and_then(|r| r.as_ref()) {
-                        Some(r) if r.use_ == Use::Pending => {}
-                        _ => return Err(format!("pending range {id} is not marked pending")),
-                    }
+        // Every range marked pending is in exactly one stream's list or joined free, and back.
+        let mut pending_ids = BTreeSet::new();
+        let items = self.streams.iter().flat_map(|(_, f)| f.items()).chain(self.streams.joined());
+        for item in items {
+            if let Pending::Range { id, pages } = item {
+                pending_ranges += pages;
+                match self.ranges.get(id as usize).and_then(|r| r.as_ref()) {
+                    Some(r) if r.use_ == Use::Pending => {}
+                    _ => return Err(format!("pending range {id} is not marked pending")),
+                }
+                if !pending_ids.insert(id) {
+                    return Err(format!("pending range {id} waits twice"));
                 }
             }
+        }
+        let marked = self.ranges.iter().flatten().filter(|r| r.use_ == Use::Pending).count();
+        if marked != pending_ids.len() {
+            return Err(format!(
+                "{marked} ranges are marked pending, {} wait for a stream",
+                pending_ids.len()
+            ));
         }
         if pending_ranges != self.streams.pending_pages() {
             return Err("pending page count drifted".into());

@@ -103,6 +103,9 @@ pub struct Stats {
     /// Times a request short of memory waited on the host for streams' pending frees to
     /// complete (PyTorch's `num_sync_all_streams`): each one drains the device's queue.
     pub pending_free_waits: u64,
+    /// Frees on a stream of allocations other streams used too (`record_stream`), which waited
+    /// for every one of those streams.
+    pub joined_frees: u64,
     /// Driver errors met outside a request (in a deferred unmap, say), recovered by retrying later.
     pub deferred_errors: u64,
     /// Driver calls by kind.

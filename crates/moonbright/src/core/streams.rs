@@ -1,12 +1,19 @@
 //! Stream-ordered frees: what each stream has freed but its own work may still use. Items wait
 //! here until an event recorded after their free has completed; until then only their own stream
-//! may reuse them (stream order makes that safe), by exact size. Pure bookkeeping.
+//! may reuse them (stream order makes that safe), by exact size. A free that other streams also
+//! used (`record_stream`) is *joined*: it waits for a mark on each of those streams and no stream
+//! may reuse it before every mark has completed. Pure bookkeeping.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 // Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
 // DoS-resistant one.
+#[cfg(not(loom))]
 use foldhash::HashMap;
+/// Under loom, a fixed seed: polls walk the streams in map order, and each model's runs must
+/// make the same calls in the same order.
+#[cfg(loom)]
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
 use crate::driver::EventHandle;
 
@@ -270,11 +277,22 @@ impl StreamFrees {
     }
 }
 
+/// A free that several streams' work may still use: it completes once every stream has passed
+/// its mark, `waits` as (stream, epoch of the mark there).
+#[derive(Debug)]
+struct Joined {
+    what: Pending,
+    waits: Vec<(u64, u64)>,
+}
+
 /// The pending frees of every stream.
 #[derive(Debug, Default)]
 pub(crate) struct Streams {
     by_stream: HashMap<u64, StreamFrees>,
+    /// Frees waiting for several streams, oldest first.
+    joined: Vec<Joined>,
     next_seq: u64,
+    /// Pages of pending ranges, joined ones included.
     pending_pages: u64,
 }
 
@@ -301,6 +319,46 @@ impl Streams {
         let epoch = self.entry(stream).push(seq, what);
         self.next_seq += 1;
         epoch
+    }
+
+    /// Records a free of `what` (a range or a block) that the work of every stream in `streams`
+    /// (at least two, no repeats) may still use: each gets a mark, and no stream reuses `what`
+    /// until all the marks have completed. Returns (stream, epoch of its mark), in `streams`'
+    /// order; each mark needs an event recorded on its stream, as a free does.
+    pub fn push_joined(&mut self, streams: &[u64], what: Pending) -> Vec<(u64, u64)> {
+        debug_assert!(streams.len() >= 2, "a free on one stream is not joined");
+        debug_assert!(!matches!(what, Pending::Mark), "a mark waits for nothing");
+        if let Pending::Range { pages, .. } = what {
+            self.pending_pages += pages;
+        }
+        let waits: Vec<(u64, u64)> =
+            streams.iter().map(|&s| (s, self.push(s, Pending::Mark))).collect();
+        self.joined.push(Joined { what, waits: waits.clone() });
+        waits
+    }
+
+    /// Takes out the joined frees whose marks have all completed, oldest first. A stream no
+    /// longer known was forgotten, which it is only once everything it handed out is done.
+    pub fn take_joined_done(&mut self) -> Vec<Pending> {
+        if self.joined.is_empty() {
+            return Vec::new();
+        }
+        let by_stream = &self.by_stream;
+        let mut done = Vec::new();
+        self.joined.retain(|j| {
+            let complete =
+                j.waits.iter().all(|&(s, e)| by_stream.get(&s).map_or(true, |f| f.is_done(e)));
+            if complete {
+                done.push(j.what);
+            }
+            !complete
+        });
+        done
+    }
+
+    /// The joined frees still waiting, for checks.
+    pub fn joined(&self) -> impl Iterator<Item = Pending> + '_ {
+        self.joined.iter().map(|j| j.what)
     }
 
     /// Forgets `stream` if it is idle (`StreamFrees::is_idle`), returning its spare events: a
@@ -334,7 +392,7 @@ impl Streams {
 
     /// Whether any stream has frees waiting.
     pub fn any_pending(&self) -> bool {
-        self.by_stream.values().any(|f| !f.is_empty())
+        !self.joined.is_empty() || self.by_stream.values().any(|f| !f.is_empty())
     }
 }
 
@@ -397,6 +455,30 @@ mod tests {
         assert_eq!(all.entry(7).completed(e2, EventHandle(2)).len(), 1);
         assert!(all.get(7).unwrap().is_done(e1));
         assert_eq!(all.forget_if_idle(7), Some(vec![EventHandle(2)]));
+    }
+
+    #[test]
+    fn a_joined_free_completes_with_its_last_mark_and_no_stream_reuses_it_before() {
+        let mut all = Streams::default();
+        let what = Pending::Range { id: 4, pages: 3 };
+        let waits = all.push_joined(&[1, 2], what);
+        assert_eq!(waits.iter().map(|w| w.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(all.pending_pages(), 3);
+        assert!(all.any_pending());
+        // Neither stream can take it back as its own.
+        assert_eq!(all.get_mut(1).unwrap().take_range(3), None);
+        assert_eq!(all.get_mut(2).unwrap().take_range(3), None);
+        let (e1, e2) = (waits[0].1, waits[1].1);
+        all.entry(1).recorded(e1, EventHandle(1));
+        all.entry(2).recorded(e2, EventHandle(2));
+        assert_eq!(all.entry(2).completed(e2, EventHandle(2)), vec![Pending::Mark]);
+        assert!(all.take_joined_done().is_empty(), "stream 1 has not passed its mark");
+        assert_eq!(all.forget_if_idle(2), Some(vec![EventHandle(2)]), "stream 2 is done");
+        assert_eq!(all.entry(1).completed(e1, EventHandle(1)), vec![Pending::Mark]);
+        // Stream 2, forgotten, counts as done.
+        assert_eq!(all.take_joined_done(), vec![what]);
+        assert!(all.take_joined_done().is_empty(), "taken once");
+        assert_eq!(all.joined().count(), 0);
     }
 
     #[test]

@@ -440,3 +440,40 @@ fn a_stream_forgotten_and_seen_again_beside_the_worker() {
         finish(&a, &[(p, PAGE, 1)]);
     });
 }
+
+/// An allocation made on s0 and also used by s1 (`record_stream`) is freed on s0 while s1's
+/// work is still queued, and s0 asks for the same size at once, beside the worker's pass: no
+/// stream may get its bytes before s1 has passed the free, and afterwards it comes back.
+#[test]
+fn a_free_joined_with_a_busy_stream_beside_the_worker() {
+    model(|| {
+        let a = allocator(4, 2);
+        let host = || a.driver().inner().as_host().expect("host backend");
+        let s0 = a.driver().create_stream().unwrap();
+        let s1 = a.driver().create_stream().unwrap();
+        let x = a.malloc_async(2 * PAGE, s0).unwrap();
+        stamp(&*a, x, 2 * PAGE, 1).unwrap();
+        a.record_stream(x, s1).unwrap();
+        host().hold_stream(s1);
+        let f = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.free_async(x, s0).unwrap();
+                let p = a.malloc_async(2 * PAGE, s0).unwrap();
+                assert_ne!(p, x, "s0 reused memory that s1 may still use");
+                stamp(&*a, p, 2 * PAGE, 2).unwrap();
+                p
+            })
+        };
+        let w = worker_passes(&a, 1);
+        let p = f.join().unwrap();
+        w.join().unwrap();
+        assert!(verify(&*a, x, 2 * PAGE, 1).unwrap(), "the joined free's bytes were reused");
+        host().release_stream(s1);
+        a.poll();
+        let q = a.malloc_async(2 * PAGE, s1).unwrap();
+        assert_eq!(q, x, "the completed joined free was not reused as it is");
+        stamp(&*a, q, 2 * PAGE, 3).unwrap();
+        finish(&a, &[(p, 2 * PAGE, 2), (q, 2 * PAGE, 3)]);
+    });
+}

@@ -184,13 +184,25 @@ impl Shared {
 
     /// Frees in `stream`'s order: an event recorded on `stream` right after the free tells when
     /// other streams may reuse the memory.
+    ///
+    /// An allocation other streams used too (`record_stream`) waits for each of them: an event
+    /// is recorded on every one, and no stream reuses the memory before all have completed.
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.refuse_capture(stream)?;
-        let (epoch, spare) = {
+        let records = {
             let mut heap = self.heap();
             if heap.is_growable(ptr) {
                 drop(heap);
                 return self.release_growable(ptr, Some(stream.0));
+            }
+            let uses = heap.uses_of(ptr);
+            if !uses.is_empty() {
+                drop(heap);
+                for &u in uses.iter().filter(|&&u| u != stream.0) {
+                    // An event recorded on a capturing stream would join the graph instead.
+                    self.refuse_capture(StreamHandle(u))?;
+                }
+                heap = self.heap();
             }
             let r = heap.free_on_stream(ptr, stream.0);
             self.validated(&heap);
@@ -198,11 +210,23 @@ impl Shared {
         };
         // A failure here is not the caller's: the free took effect, and a later event on the
         // stream (the worker records one) covers it.
-        if let Err(e) = self.record(stream.0, epoch, spare, true) {
-            self.heap().note_deferred_error(e);
+        for (s, epoch, spare) in records {
+            if let Err(e) = self.record(s, epoch, spare, true) {
+                self.heap().note_deferred_error(e);
+            }
         }
         // No wake-up here: a futex wake would double the cost of a free; the worker polls.
         Ok(())
+    }
+
+    /// Notes that work on `stream` uses the allocation at `ptr`, so that its stream-ordered
+    /// free waits for that work too (PyTorch's `recordStream`). No driver call.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let mut heap = self.heap();
+        if heap.is_growable(ptr) {
+            return Err(Error::GrowableStreamUse { ptr });
+        }
+        heap.record_use(ptr, stream.0)
     }
 
     /// Records an event on `stream` covering the free of `epoch`: the free's own record
