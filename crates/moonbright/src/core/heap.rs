@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 // Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
 // DoS-resistant one.
 use foldhash::{HashMap, HashMapExt};
+use std::collections::hash_map::Entry;
 
 use super::chunks::Chunks;
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
@@ -31,6 +32,18 @@ pub(crate) type RangeId = u32;
 /// An event a free asks its caller to record: (stream, epoch it covers, a spare event to record,
 /// if there is one).
 pub(crate) type StreamRecord = (u64, u64, Option<EventHandle>);
+
+/// What a stream-ordered free asks of its caller (`Heap::free_on_stream`).
+#[derive(Debug)]
+pub(crate) enum Freed {
+    /// Freed; record this event.
+    One(StreamRecord),
+    /// Freed, joined with other streams' uses; record every one of these events.
+    Joined(Vec<StreamRecord>),
+    /// Nothing done yet: check that none of these streams (the allocation's recorded uses) is
+    /// being captured, then free again with the uses checked.
+    CheckUses(Vec<u64>),
+}
 
 /// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
 const RECENT_FREES: usize = 4096;
@@ -444,7 +457,22 @@ impl Heap {
     // ---- freeing --------------------------------------------------------------------------------
 
     fn take_live(&mut self, ptr: u64) -> Result<Live> {
-        let Some(live) = self.live.remove(&ptr) else {
+        self.take_live_unless(ptr, |_| false).map(|l| l.expect("never kept"))
+    }
+
+    /// `take_live`, unless `keep` says to leave the allocation as it is (`Ok(None)`): one hash
+    /// lookup either way, on the free path.
+    fn take_live_unless(
+        &mut self,
+        ptr: u64,
+        keep: impl FnOnce(&Live) -> bool,
+    ) -> Result<Option<Live>> {
+        let live = match self.live.entry(ptr) {
+            Entry::Occupied(e) if keep(e.get()) => return Ok(None),
+            Entry::Occupied(e) => Some(e.remove()),
+            Entry::Vacant(_) => None,
+        };
+        let Some(live) = live else {
             return Err(self.classify_bad_free(ptr));
         };
         self.stats.allocated_bytes.sub(live.size);
@@ -452,7 +480,7 @@ impl Heap {
         self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
         self.stats.allocations.sub(1);
         self.remember_free(ptr);
-        Ok(live)
+        Ok(Some(live))
     }
 
     /// Remembers a freed pointer, to tell a double free from an unknown pointer.
@@ -494,19 +522,25 @@ impl Heap {
         Ok(())
     }
 
-    /// The streams other than the allocating one that use the live allocation at `ptr`.
-    pub fn uses_of(&self, ptr: u64) -> Vec<u64> {
-        self.live.get(&ptr).map(|l| l.uses.clone()).unwrap_or_default()
-    }
-
     /// Frees in `stream`'s order: reusable at once by `stream`, by others once an event recorded
-    /// after this free has completed. Returns, for each stream that needs an event recorded now,
-    /// (stream, epoch, spare event if there is one, else the caller creates one): `stream` alone,
-    /// or, for an allocation other streams use too (`record_use`), each of those streams and
-    /// `stream`. Such a free is joined (`Streams::push_joined`): no stream, `stream` included,
-    /// reuses it until each one's work queued before the free has completed.
-    pub fn free_on_stream(&mut self, ptr: u64, stream: u64) -> Result<Vec<StreamRecord>> {
-        let live = self.take_live(ptr)?;
+    /// after this free has completed. Returns the events the caller must record now: one on
+    /// `stream`, or, for an allocation other streams use too (`record_use`), one on each of
+    /// those streams and on `stream`. Such a free is joined (`Streams::push_joined`): no stream,
+    /// `stream` included, reuses it until each one's work queued before the free has completed.
+    /// Until `uses_checked`, such a free changes nothing and asks the caller to check that none
+    /// of those streams is capturing (`Freed::CheckUses`), as it must for `stream`.
+    pub fn free_on_stream(&mut self, ptr: u64, stream: u64, uses_checked: bool) -> Result<Freed> {
+        let mut unchecked = None;
+        let live = self.take_live_unless(ptr, |l| {
+            let check = !uses_checked && l.uses.iter().any(|&u| u != stream);
+            if check {
+                unchecked = Some(l.uses.clone());
+            }
+            check
+        })?;
+        let Some(live) = live else {
+            return Ok(Freed::CheckUses(unchecked.expect("kept for a check")));
+        };
         self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
         let what = match live.backing {
             Backing::Range(id) => {
@@ -517,26 +551,26 @@ impl Heap {
                 Pending::Block { ptr, arena, offset, rounded: live.rounded }
             }
         };
+        if live.uses.iter().all(|&u| u == stream) {
+            let epoch = self.streams.push(stream, what);
+            return Ok(Freed::One(self.record_for(stream, epoch)));
+        }
         let mut streams = vec![stream];
         streams.extend(live.uses.iter().filter(|&&u| u != stream));
-        let waits = if streams.len() == 1 {
-            vec![(stream, self.streams.push(stream, what))]
-        } else {
-            self.stats.joined_frees += 1;
-            self.streams.push_joined(&streams, what)
-        };
-        Ok(waits
-            .into_iter()
-            .map(|(s, epoch)| {
-                self.records_in_flight += 1;
-                let spare = self
-                    .streams
-                    .entry(s)
-                    .event_to_record(EVENTS_IN_FLIGHT)
-                    .or_else(|| self.event_stock.pop());
-                (s, epoch, spare)
-            })
-            .collect())
+        self.stats.joined_frees += 1;
+        let waits = self.streams.push_joined(&streams, what);
+        Ok(Freed::Joined(waits.into_iter().map(|(s, epoch)| self.record_for(s, epoch)).collect()))
+    }
+
+    /// The event record a free of `epoch` on `stream` asks for, counted in flight.
+    fn record_for(&mut self, stream: u64, epoch: u64) -> StreamRecord {
+        self.records_in_flight += 1;
+        let spare = self
+            .streams
+            .entry(stream)
+            .event_to_record(EVENTS_IN_FLIGHT)
+            .or_else(|| self.event_stock.pop());
+        (stream, epoch, spare)
     }
 
     /// How many events the stock lacks, once it is down to half of `target` (0 otherwise).

@@ -10,7 +10,7 @@ pub(crate) mod worker;
 
 use crate::allocator::Backend;
 use crate::config::Options;
-use crate::core::heap::{Fast, Heap, RangeId, Step};
+use crate::core::heap::{Fast, Freed, Heap, RangeId, Step};
 use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
@@ -189,31 +189,38 @@ impl Shared {
     /// is recorded on every one, and no stream reuses the memory before all have completed.
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.refuse_capture(stream)?;
-        let records = {
+        let mut uses_checked = false;
+        let freed = loop {
             let mut heap = self.heap();
             if heap.is_growable(ptr) {
                 drop(heap);
                 return self.release_growable(ptr, Some(stream.0));
             }
-            let uses = heap.uses_of(ptr);
-            if !uses.is_empty() {
-                drop(heap);
-                for &u in uses.iter().filter(|&&u| u != stream.0) {
-                    // An event recorded on a capturing stream would join the graph instead.
-                    self.refuse_capture(StreamHandle(u))?;
-                }
-                heap = self.heap();
-            }
-            let r = heap.free_on_stream(ptr, stream.0);
+            let r = heap.free_on_stream(ptr, stream.0, uses_checked);
             self.validated(&heap);
-            r?
+            drop(heap);
+            match r? {
+                Freed::CheckUses(uses) => {
+                    for &u in uses.iter().filter(|&&u| u != stream.0) {
+                        // An event recorded on a capturing stream would join the graph instead.
+                        self.refuse_capture(StreamHandle(u))?;
+                    }
+                    uses_checked = true;
+                }
+                freed => break freed,
+            }
         };
         // A failure here is not the caller's: the free took effect, and a later event on the
         // stream (the worker records one) covers it.
-        for (s, epoch, spare) in records {
+        let record = |(s, epoch, spare)| {
             if let Err(e) = self.record(s, epoch, spare, true) {
                 self.heap().note_deferred_error(e);
             }
+        };
+        match freed {
+            Freed::One(r) => record(r),
+            Freed::Joined(rs) => rs.into_iter().for_each(record),
+            Freed::CheckUses(_) => unreachable!("uses are checked above"),
         }
         // No wake-up here: a futex wake would double the cost of a free; the worker polls.
         Ok(())
