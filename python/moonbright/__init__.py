@@ -52,6 +52,7 @@ from ._moonbright import (
     page_size,
     parse_conf,
     record_memory_history,
+    record_stream,
     reset_peak_memory_stats,
     snapshot,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "page_size",
     "parse_conf",
     "record_memory_history",
+    "record_stream",
     "reset_peak_memory_stats",
     "snapshot",
 ]

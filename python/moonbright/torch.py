@@ -24,6 +24,10 @@ PyTorch's keys, ``allocated_bytes`` and ``requested_bytes`` are the bytes asked 
 pool, so ``large_pool`` repeats ``all`` and ``small_pool`` is zero. MoonBright's own figures are
 under ``moonbright.`` in :func:`moonbright.memory_stats`.
 
+``Tensor.record_stream(s)`` works as with PyTorch's own allocator: the tensor's memory is reused
+by no stream until the work queued on ``s`` before its free has completed (:func:`enable` routes
+it to :func:`moonbright.record_stream`; PyTorch's pluggable allocator alone drops it).
+
 Out of memory raises ``torch.OutOfMemoryError`` with MoonBright's message (what was asked, what
 is allocated, reserved and free, and the cap), and the process goes on: free tensors and
 allocate again. :func:`moonbright.last_error` holds the message too.
@@ -164,7 +168,43 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
             f"(PyTorch said: {e})"
         ) from e
     _patch_statistics(torch)
+    _patch_record_stream(torch)
     _enabled = True
+
+
+def _patch_record_stream(torch: Any) -> None:
+    """Makes ``Tensor.record_stream`` reach MoonBright.
+
+    PyTorch's ``record_stream`` calls the allocator's ``recordStream``, which
+    CUDAPluggableAllocator forwards only to a C++ hook that Python cannot set, and otherwise
+    ignores (torch/csrc/cuda/CUDAPluggableAllocator.cpp). Without this, a tensor recorded on a
+    side stream and freed on its own stream would be reused by its own stream at once, while the
+    side stream's work may still read it. The wrapper calls PyTorch's method (its checks stay)
+    and then :func:`moonbright.record_stream` with the storage's base pointer, the allocation
+    MoonBright made. Storages MoonBright did not make are ignored, as PyTorch's allocator
+    ignores them. C++ code that calls the allocator's ``recordStream`` directly, not through
+    ``Tensor.record_stream``, is not seen.
+    """
+    original = torch.Tensor.record_stream
+
+    def record_stream(self: Any, stream: Any) -> None:
+        original(self, stream)
+        if self.device.type != "cuda":
+            return
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:  # a generic torch.Stream
+            handle = torch.cuda.Stream(
+                stream_id=stream.stream_id,
+                device_index=stream.device_index,
+                device_type=stream.device_type,
+            ).cuda_stream
+        ptr = self.untyped_storage().data_ptr()
+        if ptr:
+            moonbright.record_stream(ptr, int(handle), self.device.index, missing_ok=True)
+
+    record_stream.__doc__ = original.__doc__
+    _keep.append(original)
+    torch.Tensor.record_stream = record_stream
 
 
 def _patch_statistics(torch: Any) -> None:

@@ -246,3 +246,20 @@ def test_torch_module_imports_without_torch():
     import moonbright.torch as mt
 
     assert not mt.is_enabled()
+
+
+def test_record_stream_checks_its_pointer(lib):
+    p = lib.moonbright_alloc(3 * PAGE, 0, None)
+    assert moonbright.record_stream(p, 0) is True
+    with pytest.raises(RuntimeError, match="into the live allocation"):
+        moonbright.record_stream(p + 256, 0)
+    assert moonbright.record_stream(p + 256, 0, missing_ok=True) is False
+    g = moonbright.Growable(4 * PAGE)
+    with pytest.raises(RuntimeError, match="growable"):
+        moonbright.record_stream(g.ptr, 0)
+    assert moonbright.record_stream(g.ptr, 0, missing_ok=True) is False
+    g.release()
+    lib.moonbright_free(p, 3 * PAGE, 0, None)
+    with pytest.raises(RuntimeError, match="unknown pointer"):
+        moonbright.record_stream(p, 0)
+    moonbright.check_invariants()

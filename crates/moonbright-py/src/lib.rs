@@ -557,6 +557,26 @@ fn check_invariants(device: Option<i32>) -> PyResult<()> {
     get(device)?.check_invariants().map_err(py_err)
 }
 
+/// Notes that work queued on `stream` (a CUstream handle as an int, 0 for the default stream)
+/// uses the allocation at `ptr`, so that its stream-ordered free waits for that work too:
+/// PyTorch's `Tensor.record_stream`, which `moonbright.torch.enable()` routes here. Returns True.
+/// A pointer that is not the start of a live allocation, or a growable one, raises
+/// RuntimeError, or with `missing_ok` returns False (PyTorch ignores storages its allocator did
+/// not make, such as a growable buffer viewed as a tensor).
+#[pyfunction]
+#[pyo3(signature = (ptr, stream, device=None, missing_ok=false))]
+fn record_stream(ptr: u64, stream: u64, device: Option<i32>, missing_ok: bool) -> PyResult<bool> {
+    match get(device)?.record_stream(ptr, StreamHandle(stream)) {
+        Ok(()) => Ok(true),
+        Err(
+            Error::UnknownPointer { .. }
+            | Error::InteriorPointer { .. }
+            | Error::GrowableStreamUse { .. },
+        ) if missing_ok => Ok(false),
+        Err(e) => Err(py_err(e.to_string())),
+    }
+}
+
 /// Copies bytes into device memory (synchronous; for tests).
 #[pyfunction]
 #[pyo3(signature = (ptr, data, device=None))]
@@ -614,6 +634,7 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cap, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
+    m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_write, m)?)?;
     m.add_function(wrap_pyfunction!(_read, m)?)?;
     m.add_function(wrap_pyfunction!(_set_torch_oom_type, m)?)?;

@@ -238,3 +238,69 @@ def test_enable_after_cuda_init_is_a_clear_error():
         """
     )
     assert "before PyTorch initialises CUDA" in r["msg"]
+
+
+RECORD_STREAM = """
+import json, torch, moonbright, moonbright.torch
+moonbright.torch.enable()
+n = 16 << 20                                   # 64 MiB of float32, and 1,000 B below a page
+main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+# Load every kernel first: the first launch of one loads its module, which waits for the device.
+w = torch.ones(256, device="cuda")
+with torch.cuda.stream(side):
+    torch.cuda._sleep(1000)
+    w = w * 2
+w = torch.full((256,), 7.0, device="cuda")
+torch.cuda.synchronize()
+del w
+out = {}
+for numel in (n, 250):
+    x = torch.ones(numel, device="cuda")
+    ptr = x.data_ptr()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)         # about 0.1 s: side's read of x comes late
+        y = x * 2
+    if RECORD:
+        x.record_stream(side)
+    del x                                      # freed on main, its allocation stream
+    z = torch.full((numel,), 7.0, device="cuda")   # same size on main, at once
+    early = z.data_ptr() == ptr
+    busy = not side.query()                    # the premise: side has not read x yet
+    torch.cuda.synchronize()
+    out[str(numel)] = {
+        "reused_early": early, "side_busy": busy, "side_read_ok": bool((y == 2).all())
+    }
+    del y, z
+torch.cuda.synchronize()
+# A view of a growable buffer: not an allocation of MoonBright's, ignored as PyTorch ignores
+# storages it did not make.
+g = moonbright.Growable(4 * moonbright.page_size())
+g.resize(moonbright.page_size(), stream=main.cuda_stream)
+v = torch.as_tensor(g, device="cuda")
+v.record_stream(side)
+del v
+g.release()
+moonbright.check_invariants()
+out["joined_frees"] = moonbright.memory_stats()["moonbright.joined_frees"]
+print(json.dumps(out))
+"""
+
+
+def test_record_stream_keeps_memory_from_its_own_stream_until_the_side_stream_is_done():
+    """A tensor read on a side stream, recorded there, and freed on its own stream: the next
+    allocation of the same size on its own stream must not get its memory while the side stream
+    still has to read it. The control run, without record_stream, shows the hazard is real:
+    the same-stream reuse happens at once (and the side stream then reads the new values)."""
+    out = run("RECORD = True\n" + RECORD_STREAM)
+    for numel in ("16777216", "250"):
+        assert out[numel]["side_busy"], out
+        assert not out[numel]["reused_early"], out
+        assert out[numel]["side_read_ok"], out
+    assert out["joined_frees"] == 2, out
+    control = run("RECORD = False\n" + RECORD_STREAM)
+    for numel in ("16777216", "250"):
+        assert control[numel]["side_busy"], control
+        assert control[numel]["reused_early"], control
+    assert control["joined_frees"] == 0, control
+    print("control, without record_stream:", control)

@@ -1,8 +1,12 @@
 //! GPU stress test (issue 3, item 9): several threads, each with its own stream, allocate random
 //! sizes with malloc_async, fill each allocation with its id by a kernel, and check it by a kernel
 //! before free_async; some allocations are handed to another thread and freed on its stream
-//! (after an event). The checks count mismatches in a device counter read back at the end. Exits
-//! non-zero on any mismatch. Meant to run under `compute-sanitizer --tool memcheck` too.
+//! (after an event); others are checked on a second stream of the thread's, behind a spin,
+//! recorded there (`record_stream`) and freed on the thread's own stream at once, after which
+//! the same size is allocated and filled on the own stream right away: without the recorded
+//! use, that allocation would take the memory the second stream's check still reads. The checks
+//! count mismatches in a device counter read back at the end. Exits non-zero on any mismatch.
+//! Meant to run under `compute-sanitizer --tool memcheck` too.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -42,6 +46,9 @@ struct Args {
     /// Fraction of frees handed to the next thread's stream.
     #[arg(long, default_value_t = 0.1)]
     cross: f64,
+    /// Fraction of frees checked on the thread's second stream and recorded there.
+    #[arg(long, default_value_t = 0.05)]
+    recorded: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     #[arg(long)]
@@ -72,6 +79,7 @@ struct ThreadReport {
     allocations: u64,
     frees: u64,
     cross_stream_frees: u64,
+    recorded_frees: u64,
     bytes_filled: u64,
     mismatches: u64,
 }
@@ -105,6 +113,42 @@ impl Shared<'_> {
         self.alloc.free_async(ptr, s.handle()).map_err(|e| format!("free_async: {e}"))
     }
 
+    /// Checks the allocation on `side` behind a spin, records it there, frees it on `s` at once
+    /// and allocates and fills the same size on `s` right away; returns that allocation.
+    fn free_recorded(
+        &self,
+        s: &Stream,
+        side: &Stream,
+        bad: u64,
+        (ptr, size, id): (u64, u64, u32),
+        new_id: u32,
+    ) -> Res<(u64, u64, u32)> {
+        let ready = Event::new(false)?;
+        ready.record(s)?;
+        side.wait(&ready)?;
+        let n = size / 4;
+        // SAFETY: spin(u64 ns, u64* sink) with a null sink, never written; check(const u32* p,
+        // u64 n, u32 id, u64* bad) reads n u32 of an allocation whose free below waits for
+        // `side` (record_stream), and `bad` is a live u64 counter.
+        unsafe {
+            self.spin.launch(1, 1, side, &[Arg::U64(100_000), Arg::U64(0)])?;
+            self.check.launch(
+                self.grid(n),
+                256,
+                side,
+                &[Arg::U64(ptr), Arg::U64(n), Arg::U32(id), Arg::U64(bad)],
+            )?;
+        }
+        self.alloc.record_stream(ptr, side.handle()).map_err(|e| format!("record_stream: {e}"))?;
+        self.alloc.free_async(ptr, s.handle()).map_err(|e| format!("free_async: {e}"))?;
+        let again = self
+            .alloc
+            .malloc_async(size as usize, s.handle())
+            .map_err(|e| format!("malloc_async({size}): {e}"))?;
+        self.fill(s, again, size, new_id)?;
+        Ok((again, size, new_id))
+    }
+
     fn drain(&self, me: usize, s: &Stream, bad: u64, r: &mut ThreadReport) -> Res<()> {
         let items = std::mem::take(&mut *self.inbox[me].lock().unwrap_or_else(|e| e.into_inner()));
         for h in items {
@@ -120,6 +164,7 @@ impl Shared<'_> {
         self.gpu.make_current()?;
         let a = self.args;
         let s = Stream::new(true)?;
+        let side = Stream::new(true)?;
         let bad = mem_alloc(8)?;
         memset_d32(bad, 0, 2)?;
         ctx_sync()?;
@@ -156,6 +201,16 @@ impl Shared<'_> {
                 r.bytes_filled += size;
             } else {
                 let (ptr, size, id) = live.swap_remove(rng.gen_range(0..live.len()));
+                if rng.gen_bool(a.recorded) {
+                    let new_id = ((me as u32) << 24) | next_id;
+                    next_id += 1;
+                    live.push(self.free_recorded(&s, &side, bad, (ptr, size, id), new_id)?);
+                    r.frees += 1;
+                    r.recorded_frees += 1;
+                    r.allocations += 1;
+                    r.bytes_filled += size;
+                    continue;
+                }
                 live_bytes -= size;
                 if self.args.threads > 1 && rng.gen_bool(a.cross) {
                     let ready = Event::new(false)?;
@@ -178,6 +233,7 @@ impl Shared<'_> {
             r.frees += 1;
         }
         s.sync()?;
+        side.sync()?;
         let mut out = [0u64];
         copy_dtoh_u64(&mut out, bad)?;
         mem_free(bad)?;
@@ -195,6 +251,7 @@ struct Report {
     per_thread: Vec<ThreadReport>,
     leftover_handoffs: ThreadReport,
     mismatches: u64,
+    joined_frees: u64,
     cache_hits: u64,
     unmap_batches: u64,
     cached_ranges_stolen: u64,
@@ -205,8 +262,11 @@ struct Report {
 
 fn run() -> Res<()> {
     let args = Args::parse();
-    if args.threads == 0 || !(0.0..=1.0).contains(&args.cross) {
-        return Err("--threads must be at least 1 and --cross in [0, 1]".into());
+    if args.threads == 0
+        || !(0.0..=1.0).contains(&args.cross)
+        || !(0.0..=1.0).contains(&args.recorded)
+    {
+        return Err("--threads must be at least 1, --cross and --recorded in [0, 1]".into());
     }
     let gpu = Gpu::open()?;
     let m = Module::compile(&gpu, kernels::SOURCE)?;
@@ -271,6 +331,7 @@ fn run() -> Res<()> {
         ops_per_thread: args.ops,
         seconds,
         mismatches,
+        joined_frees: st.joined_frees,
         cache_hits: st.cache_hits,
         unmap_batches: st.unmap_batches,
         cached_ranges_stolen: st.cached_ranges_stolen,
@@ -284,10 +345,12 @@ fn run() -> Res<()> {
     let cross: u64 = report.per_thread.iter().map(|r| r.cross_stream_frees).sum::<u64>()
         + report.leftover_handoffs.cross_stream_frees;
     let filled: u64 = report.per_thread.iter().map(|r| r.bytes_filled).sum();
+    let recorded: u64 = report.per_thread.iter().map(|r| r.recorded_frees).sum();
     println!(
         "gpu_stress on {}: {} threads x {} ops in {:.1} s: {} allocations ({:.1} GiB filled and \
-         checked), {} freed on another stream; cache hits {}, unmap batches {}, stolen ranges {}, \
-         peak reserved {:.2} GiB, deferred errors {}",
+         checked), {} freed on another stream, {} checked on a second stream and recorded there \
+         ({} joined frees); cache hits {}, unmap batches {}, stolen ranges {}, peak reserved \
+         {:.2} GiB, deferred errors {}",
         report.gpu,
         args.threads,
         args.ops,
@@ -295,6 +358,8 @@ fn run() -> Res<()> {
         allocs,
         filled as f64 / GIB as f64,
         cross,
+        recorded,
+        report.joined_frees,
         report.cache_hits,
         report.unmap_batches,
         report.cached_ranges_stolen,
