@@ -47,6 +47,7 @@ from ._moonbright import (
     empty_cache,
     is_initialized,
     last_error,
+    memory_fraction,
     memory_stats,
     options,
     page_size,
@@ -54,6 +55,8 @@ from ._moonbright import (
     record_memory_history,
     record_stream,
     reset_peak_memory_stats,
+    set_cap,
+    set_memory_fraction,
     snapshot,
 )
 
@@ -72,6 +75,7 @@ __all__ = [
     "is_initialized",
     "last_error",
     "library_path",
+    "memory_fraction",
     "memory_stats",
     "memory_stats_as_nested_dict",
     "memory_summary",
@@ -81,6 +85,8 @@ __all__ = [
     "record_memory_history",
     "record_stream",
     "reset_peak_memory_stats",
+    "set_cap",
+    "set_memory_fraction",
     "snapshot",
 ]
 

@@ -17,7 +17,9 @@ mode where MoonBright's figures apply (peak reserved close to peak requested).
 ``memory_reserved()``, ``max_memory_reserved()``, ``reset_peak_memory_stats()``,
 ``memory_summary()``, ``empty_cache()`` and ``torch.cuda.memory._snapshot()`` keep working and
 report MoonBright's figures (PyTorch's CUDAPluggableAllocator raises "does not yet support
-getDeviceStats" for them; :func:`enable` replaces the ``torch._C`` functions they call). In
+getDeviceStats" for them; :func:`enable` replaces the ``torch._C`` functions they call).
+``set_per_process_memory_fraction()``, which the pluggable allocator ignores, sets MoonBright's
+cap (:func:`moonbright.set_memory_fraction`), and ``get_per_process_memory_fraction()`` reads it. In
 PyTorch's keys, ``allocated_bytes`` and ``requested_bytes`` are the bytes asked for,
 ``active_bytes`` the bytes after MoonBright's rounding (256 B below a page, whole pages above),
 ``reserved_bytes`` the physical memory held, ``segment`` the physical chunks; MoonBright has one
@@ -217,8 +219,11 @@ def _patch_statistics(torch: Any) -> None:
     ``reset_peak_memory_stats`` calls ``torch._C._cuda_resetPeakMemoryStats(device)``;
     ``empty_cache`` calls ``torch._C._cuda_emptyCache()``; ``memory_snapshot`` and
     ``_snapshot`` call ``torch._C._cuda_memorySnapshot(...)``; ``_record_memory_history``
-    calls ``torch._C._cuda_record_memory_history(...)``. All are looked up on ``torch._C`` at
-    call time, so replacing them there reaches every caller.
+    calls ``torch._C._cuda_record_memory_history(...)``; ``set_per_process_memory_fraction``
+    calls ``torch._C._cuda_setMemoryFraction(fraction, device)`` (which CUDAPluggableAllocator
+    forwards to a C++ hook Python cannot set, and otherwise ignores), and
+    ``get_per_process_memory_fraction`` ``torch._C._cuda_getMemoryFraction(device)``. All are
+    looked up on ``torch._C`` at call time, so replacing them there reaches every caller.
     """
     C = torch._C
     originals = {
@@ -230,6 +235,8 @@ def _patch_statistics(torch: Any) -> None:
             "_cuda_emptyCache",
             "_cuda_memorySnapshot",
             "_cuda_record_memory_history",
+            "_cuda_setMemoryFraction",
+            "_cuda_getMemoryFraction",
         )
     }
     _keep.append(originals)
@@ -268,6 +275,15 @@ def _patch_statistics(torch: Any) -> None:
         on = enabled not in (None, False)
         moonbright.record_memory_history(on, max_entries=max(1, min(int(max_entries), 1 << 24)))
 
+    def set_fraction(fraction: float, device: Any = None) -> None:
+        moonbright.set_memory_fraction(float(fraction), device_of(device))
+
+    def get_fraction(device: Any = None) -> float:
+        return moonbright.memory_fraction(device_of(device))
+
+    C._cuda_setMemoryFraction = set_fraction
+    if hasattr(C, "_cuda_getMemoryFraction"):
+        C._cuda_getMemoryFraction = get_fraction
     C._cuda_memoryStats = memory_stats
     C._cuda_resetPeakMemoryStats = reset_peak
     C._cuda_resetAccumulatedMemoryStats = reset_accumulated

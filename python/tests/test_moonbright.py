@@ -263,3 +263,36 @@ def test_record_stream_checks_its_pointer(lib):
     with pytest.raises(RuntimeError, match="unknown pointer"):
         moonbright.record_stream(p, 0)
     moonbright.check_invariants()
+
+
+def test_set_cap_and_memory_fraction():
+    # In a process of its own: the cap outlives the test.
+    r = run_py(
+        """
+        import moonbright
+        page = moonbright.page_size()
+        total = moonbright.options()["host_capacity"]
+        old = moonbright.cap()
+        assert moonbright.set_cap(5 * page + 1) == 5 * page
+        assert moonbright.cap() == 5 * page
+        assert abs(moonbright.memory_fraction() - 5 * page / total) < 1e-12
+        try:
+            moonbright.set_cap(page - 1)
+            raise SystemExit("a cap below a page was accepted")
+        except ValueError as e:
+            assert "cap" in str(e), e
+        assert moonbright.cap() == 5 * page
+        for bad in (-0.1, 1.5):
+            try:
+                moonbright.set_memory_fraction(bad)
+                raise SystemExit(f"fraction {bad} was accepted")
+            except ValueError:
+                pass
+        cap = moonbright.set_memory_fraction(0.5)
+        assert cap == int(0.5 * total) // page * page, (cap, total)
+        moonbright.check_invariants()
+        print("ok")
+        """,
+        conf="backend:host,host_capacity:64MiB,host_page_size:64KiB",
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -468,6 +468,21 @@ int mb_get_stats(struct mb_allocator *alloc, struct mb_stats *out);
 int mb_get_cap(struct mb_allocator *alloc, uint64_t *out_bytes);
 
 /**
+ * Sets the cap on physical bytes the allocator may hold to `bytes` (rounded down to a page,
+ * limited to the device's memory) and stores the cap set in `*out_bytes` unless it is NULL.
+ * Lowering it below what is held releases every page no allocation uses; past that, live
+ * allocations keep their memory, and the held memory serves requests but does not grow until
+ * it is back under the cap.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for a cap below one page (nothing changes), and
+ * `MB_ERR_DRIVER` when releasing unused memory fails (the cap is set).
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_set_cap(struct mb_allocator *alloc, uint64_t bytes, uint64_t *out_bytes);
+
+/**
  * Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
  *
  * # Safety

@@ -600,6 +600,35 @@ pub unsafe extern "C" fn mb_get_cap(alloc: *mut mb_allocator, out_bytes: *mut u6
     unsafe { query(alloc, out_bytes, "out_bytes", |a| Ok(a.cap())) }
 }
 
+/// Sets the cap on physical bytes the allocator may hold to `bytes` (rounded down to a page,
+/// limited to the device's memory) and stores the cap set in `*out_bytes` unless it is NULL.
+/// Lowering it below what is held releases every page no allocation uses; past that, live
+/// allocations keep their memory, and the held memory serves requests but does not grow until
+/// it is back under the cap.
+///
+/// Returns `MB_ERR_INVALID_ARGUMENT` for a cap below one page (nothing changes), and
+/// `MB_ERR_DRIVER` when releasing unused memory fails (the cap is set).
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn mb_set_cap(
+    alloc: *mut mb_allocator,
+    bytes: u64,
+    out_bytes: *mut u64,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        let cap = a.set_cap(bytes)?;
+        if !out_bytes.is_null() {
+            // SAFETY: `out_bytes` is non-NULL and, by the caller's contract, valid for a write.
+            unsafe { write_out(out_bytes, "out_bytes", cap) }?;
+        }
+        Ok(())
+    })
+}
+
 /// Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
 ///
 /// # Safety

@@ -410,6 +410,27 @@ fn record_stream_statuses() {
 }
 
 #[test]
+fn set_cap_statuses() {
+    let a = create(&host_options());
+    let (mut cap, mut page, mut p) = (0u64, 0u64, 0u64);
+    // SAFETY: `a` is live, the outputs are live locals or NULL.
+    unsafe {
+        assert_eq!(mb_get_page_size(a, &mut page), MB_OK);
+        assert_eq!(mb_set_cap(a, 4 * page + 1, &mut cap), MB_OK, "{}", last_error());
+        assert_eq!(cap, 4 * page);
+        assert_eq!(mb_malloc(a, 5 * page as usize, &mut p), MB_ERR_TOO_LARGE);
+        assert_eq!(mb_set_cap(a, page - 1, std::ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("cap"), "{}", last_error());
+        assert_eq!(mb_get_cap(a, &mut cap), MB_OK);
+        assert_eq!(cap, 4 * page, "a refused cap changed the cap");
+        assert_eq!(mb_set_cap(a, u64::MAX, std::ptr::null_mut()), MB_OK, "the device's memory");
+        assert_eq!(mb_malloc(a, 5 * page as usize, &mut p), MB_OK, "{}", last_error());
+        assert_eq!(mb_set_cap(std::ptr::null_mut(), page, &mut cap), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
 fn growable_reserve_resize_info_release() {
     // SAFETY: every pointer passed is NULL where the test means it, else points to a live
     // local or is a live handle from `mb_create`.

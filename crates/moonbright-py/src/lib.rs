@@ -543,6 +543,41 @@ fn cap(device: Option<i32>) -> PyResult<u64> {
     Ok(get(device)?.cap())
 }
 
+/// Sets the cap on physical bytes `device`'s allocator may hold (rounded down to a page,
+/// limited to the device's memory) and returns it. Lowering it below what is held gives back
+/// every page no allocation uses; past that, live allocations keep their memory, and what is
+/// held serves requests but does not grow until it is back under the cap. Raises ValueError
+/// for a cap below one page (nothing changes), RuntimeError if the release fails.
+#[pyfunction]
+#[pyo3(signature = (bytes, device=None))]
+fn set_cap(bytes: u64, device: Option<i32>) -> PyResult<u64> {
+    get(device)?.set_cap(bytes).map_err(|e| match e {
+        Error::InvalidOption { .. } => PyValueError::new_err(e.to_string()),
+        e => py_err(e.to_string()),
+    })
+}
+
+/// Sets the cap to `fraction` of the device's memory (PyTorch's
+/// `set_per_process_memory_fraction`, which `moonbright.torch.enable()` routes here) and
+/// returns the cap in bytes; as `set_cap` otherwise.
+#[pyfunction]
+#[pyo3(signature = (fraction, device=None))]
+fn set_memory_fraction(fraction: f64, device: Option<i32>) -> PyResult<u64> {
+    if !(0.0..=1.0).contains(&fraction) {
+        return Err(PyValueError::new_err(format!("memory fraction {fraction} is not in [0, 1]")));
+    }
+    let a = get(device)?;
+    set_cap((fraction * a.total_memory() as f64) as u64, device)
+}
+
+/// The cap over the device's memory (PyTorch's `get_per_process_memory_fraction`).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn memory_fraction(device: Option<i32>) -> PyResult<f64> {
+    let a = get(device)?;
+    Ok(a.cap() as f64 / a.total_memory() as f64)
+}
+
 /// The page size (mapping granularity) of `device`'s allocator.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -635,6 +670,9 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
     m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cap, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(_write, m)?)?;
     m.add_function(wrap_pyfunction!(_read, m)?)?;
     m.add_function(wrap_pyfunction!(_set_torch_oom_type, m)?)?;

@@ -129,6 +129,51 @@ fn oom_and_recovery(a: &Allocator) {
     }
 }
 
+/// `set_cap` (PyTorch's `set_per_process_memory_fraction`): lowering the cap below what is held
+/// gives back what no allocation uses and stops growth at the new cap, with live allocations
+/// untouched; raising it lets growth go on; a cap below a page is refused and changes nothing.
+fn set_cap_limits_growth(a: &Allocator) {
+    let page = a.page_size();
+    let old = a.cap();
+    let keep = a.malloc(4 * page).unwrap();
+    stamp(a, keep, 4 * page, 1).unwrap();
+    let tmp = a.malloc(4 * page).unwrap();
+    a.free(tmp).unwrap();
+    assert!(a.stats().reserved_bytes.current >= 8 * page as u64);
+
+    assert_eq!(a.set_cap(6 * page as u64 + 5).unwrap(), 6 * page as u64, "rounded to a page");
+    assert_eq!(a.cap(), 6 * page as u64);
+    assert!(a.stats().reserved_bytes.current <= 6 * page as u64, "unused memory was kept");
+    a.check_invariants().unwrap();
+    let e = a.malloc(3 * page).unwrap_err();
+    let Error::OutOfMemory { cap, .. } = e else { panic!("expected OutOfMemory, got {e:?}") };
+    assert_eq!(cap, 6 * page as u64);
+    let fits = a.malloc(2 * page).unwrap();
+    assert!(verify(a, keep, 4 * page, 1).unwrap());
+
+    // Below what live allocations hold: they keep it, nothing grows, frees bring it back under.
+    a.set_cap(3 * page as u64).unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 6 * page as u64);
+    a.check_invariants().unwrap();
+    assert!(matches!(a.malloc(page), Err(Error::OutOfMemory { .. })));
+    a.free(fits).unwrap();
+    a.release_unused().unwrap();
+    assert!(a.stats().reserved_bytes.current <= 4 * page as u64);
+    a.set_cap(6 * page as u64).unwrap();
+    let fits = a.malloc(2 * page).unwrap();
+    a.check_invariants().unwrap();
+
+    let e = a.set_cap(page as u64 - 1).unwrap_err();
+    assert!(matches!(e, Error::InvalidOption { name: "cap", .. }), "{e}");
+    assert_eq!(a.cap(), 6 * page as u64, "a refused cap changed the cap");
+    assert_eq!(a.set_cap(old).unwrap(), old);
+    let more = a.malloc(3 * page).unwrap();
+    a.check_invariants().unwrap();
+    for p in [keep, fits, more] {
+        a.free(p).unwrap();
+    }
+}
+
 fn random_mix_keeps_contents(a: &Allocator, seed: u64, ops: usize) {
     let page = a.page_size() as f64;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -385,6 +430,12 @@ macro_rules! suite {
             fn oom_and_recovery() {
                 if let Some(a) = make() {
                     super::oom_and_recovery(&a)
+                }
+            }
+            #[test]
+            fn set_cap_limits_growth() {
+                if let Some(a) = make() {
+                    super::set_cap_limits_growth(&a)
                 }
             }
             #[test]

@@ -278,6 +278,35 @@ fn release_unused_failure_keeps_the_chunk() {
     drains_clean(&a);
 }
 
+/// A lowered cap whose release of unused memory fails: the error is returned, the cap is set,
+/// and the unreleased chunk stays held. Over the cap, held memory still serves requests but
+/// does not grow; the next release gives the chunk back.
+#[test]
+fn a_lowered_cap_whose_release_fails_keeps_the_chunk_and_the_cap() {
+    let a = tight();
+    let keep = a.malloc(2 * PAGE).unwrap();
+    stamp(&a, keep, 2 * PAGE, 9).unwrap();
+    let p = a.malloc(4 * PAGE).unwrap();
+    a.free(p).unwrap();
+    a.driver().fail_nth(CallKind::Release, 1, None);
+    assert!(matches!(a.set_cap(3 * PAGE as u64), Err(Error::Driver(_))));
+    assert_eq!(a.cap(), 3 * PAGE as u64);
+    books_agree(&a);
+    let held = a.stats().reserved_bytes.current;
+    assert!(held > 3 * PAGE as u64);
+    let q = [a.malloc(2 * PAGE).unwrap(), a.malloc(2 * PAGE).unwrap()];
+    assert_eq!(a.stats().reserved_bytes.current, held, "grew over the cap");
+    assert!(matches!(a.malloc(PAGE), Err(Error::OutOfMemory { .. })), "grew over the cap");
+    books_agree(&a);
+    q.into_iter().for_each(|q| a.free(q).unwrap());
+    a.release_unused().unwrap();
+    books_agree(&a);
+    assert!(a.stats().reserved_bytes.current <= 3 * PAGE as u64);
+    assert!(verify(&a, keep, 2 * PAGE, 9).unwrap());
+    a.free(keep).unwrap();
+    drains_clean(&a);
+}
+
 #[test]
 fn setup_failure_is_an_error_not_a_panic() {
     let opts = Options { host_page_size: 3 << 20, ..Options::host(1 << 30, 2 << 20) };

@@ -304,3 +304,37 @@ def test_record_stream_keeps_memory_from_its_own_stream_until_the_side_stream_is
         assert control[numel]["reused_early"], control
     assert control["joined_frees"] == 0, control
     print("control, without record_stream:", control)
+
+
+def test_set_per_process_memory_fraction_sets_the_cap():
+    """PyTorch's pluggable allocator ignores set_per_process_memory_fraction; under
+    moonbright.torch.enable() it sets MoonBright's cap: past it, allocations raise
+    torch.OutOfMemoryError naming the cap, and raising the fraction lets them through."""
+    out = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.05)
+        cap = moonbright.cap()
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get() if get else None
+        x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+        try:
+            y = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+            refused, msg = False, ""
+        except torch.OutOfMemoryError as e:
+            refused, msg = True, str(e)
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        y = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+        y.fill_(1)
+        torch.cuda.synchronize()
+        moonbright.check_invariants()
+        print(json.dumps({"total": total, "cap": cap, "fraction": fraction, "refused": refused,
+                          "msg": msg, "cap_after": moonbright.cap()}))
+        """
+    )
+    assert abs(out["cap"] - 0.05 * out["total"]) < 4 << 20, out
+    assert out["fraction"] is None or abs(out["fraction"] - 0.05) < 1e-3, out
+    assert out["refused"] and "cap" in out["msg"], out
+    assert abs(out["cap_after"] - 0.5 * out["total"]) < 4 << 20, out

@@ -220,6 +220,10 @@ pub(crate) struct Heap {
     stats: Stats,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
+    /// The bytes held when the cap was last lowered below them: held memory may exceed the cap
+    /// until frees and releases bring it under, but never grows past this (the headroom is 0
+    /// while over the cap).
+    over_cap: Option<u64>,
     history: Option<History>,
 }
 
@@ -257,12 +261,23 @@ impl Heap {
             records_in_flight: 0,
             stats: Stats::default(),
             deferred_error: None,
+            over_cap: None,
             history: None,
         }
     }
 
     pub fn limits(&self) -> &Limits {
         &self.lim
+    }
+
+    /// Sets the cap on physical bytes held (a whole number of pages, checked by the caller).
+    /// Below what is held now, held memory still serves requests (a split recreates no more
+    /// than it releases) but does not grow until frees and releases bring it under the cap; the
+    /// caller releases what no allocation uses.
+    pub fn set_cap(&mut self, cap: u64) {
+        self.lim.cap = cap;
+        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages);
+        self.over_cap = (held > cap).then_some(held);
     }
 
     pub fn stats(&self) -> &Stats {
@@ -1666,7 +1681,8 @@ impl Heap {
                 self.stats.mapped_handles.current
             ));
         }
-        if self.bytes(self.pool.held_pages()) > self.lim.cap {
+        let held = self.bytes(self.pool.held_pages());
+        if held > self.lim.cap && self.over_cap.map_or(true, |h| held > h) {
             return Err("more memory held than the cap allows".into());
         }
         Ok(())
