@@ -474,4 +474,33 @@ mod tests {
         assert_eq!(calls.get(CallKind::EventDestroy), calls.get(CallKind::EventCreate) - 1);
         assert_eq!(a.stats().events_stocked, 0);
     }
+
+    /// Streams used once each hand their events back to the stock when forgotten; a stock past
+    /// twice its target is trimmed back to it, the rest destroyed, and a failed destroy is
+    /// reported, not fatal.
+    #[test]
+    fn a_stock_swollen_by_forgotten_streams_is_trimmed() {
+        let a = Allocator::new(Options::host(64 << 20, 64 << 10)).unwrap();
+        // 40 streams, each with a free whose event is still pending, then all complete at once:
+        // each forgotten stream gives its event back.
+        let host = a.driver().inner().as_host().unwrap();
+        let streams: Vec<_> = (0..40).map(|_| a.driver().create_stream().unwrap()).collect();
+        for &s in &streams {
+            host.hold_stream(s);
+            let p = a.malloc_async(1000, s).unwrap();
+            a.free_async(p, s).unwrap();
+        }
+        streams.iter().for_each(|&s| host.release_stream(s));
+        assert!(a.poll());
+        assert_eq!(a.stats().events_stocked, 40);
+        let destroyed = || a.stats().driver_calls.get(CallKind::EventDestroy);
+        a.shared.stock_events(20);
+        assert_eq!(a.stats().events_stocked, 40, "not past twice the target: kept");
+        a.driver().fail_nth(CallKind::EventDestroy, 3, None);
+        a.shared.stock_events(16);
+        assert_eq!(a.stats().events_stocked, 16);
+        assert_eq!(destroyed(), 24, "every event past the target is destroyed (one failing)");
+        assert!(a.take_deferred_error().is_some(), "the failed destroy was not reported");
+        a.check_invariants().unwrap();
+    }
 }

@@ -597,6 +597,17 @@ impl Heap {
         }
     }
 
+    /// Takes out the events the stock holds beyond `target`, once it holds more than twice
+    /// that: events of forgotten streams come back to the stock, and a burst of many streams
+    /// would otherwise leave thousands created for good.
+    pub fn event_stock_excess(&mut self, target: usize) -> Vec<EventHandle> {
+        if self.event_stock.len() > 2 * target {
+            self.event_stock.split_off(target)
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Events in the stock.
     pub fn events_stocked(&self) -> usize {
         self.event_stock.len()

@@ -345,8 +345,16 @@ impl Shared {
     /// any request's path: a free records a stocked event when its stream has no spare one of its
     /// own, instead of creating one. A failed creation ends this top-up and is not reported: the
     /// stock is only a shortcut, and a free that finds it empty creates its event itself (and
-    /// reports that failure).
+    /// reports that failure). A stock grown past twice `target` (forgotten streams give their
+    /// events back to it) is trimmed to `target`, destroying the rest.
     pub fn stock_events(&self, target: usize) {
+        let excess = self.heap().event_stock_excess(target);
+        for ev in excess {
+            if let Err(e) = self.driver.destroy_event(ev) {
+                // The event is lost to the allocator either way; the error is the user's to see.
+                self.heap().note_deferred_error(e);
+            }
+        }
         let want = self.heap().event_stock_wanted(target);
         let mut made = Vec::with_capacity(want);
         for _ in 0..want {
