@@ -46,3 +46,65 @@ fn allocation_during_graph_capture_is_refused() {
     a.free_async(before, s).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// A capture in the default *global* mode (PyTorch's `torch.cuda.graph`) on one thread, while
+/// another thread allocates new sizes on its own stream (maps, set access, unmaps, event
+/// queries) and the background worker runs: none of MoonBright's calls may invalidate the
+/// capture. Under global mode a "potentially unsafe" call from any thread does; MoonBright makes
+/// its calls with the thread's capture mode relaxed (`driver/cuda.rs: relaxed`).
+#[test]
+fn allocation_beside_a_global_mode_capture_leaves_it_valid() {
+    if let Err(why) = moonbright::driver::cuda::probe() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let a = Allocator::new(Options {
+        backend: BackendKind::Cuda,
+        cap_bytes: Some(4 << 30),
+        validate: true,
+        ..Options::default()
+    })
+    .unwrap();
+    let s = a.driver().create_stream().unwrap();
+    let other = a.driver().create_stream().unwrap();
+    let stream = s.0 as sys::CUstream;
+    // SAFETY: `stream` is a live stream of the allocator's device, whose primary context the
+    // allocator made current on this thread (create_stream above).
+    let r = unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let made = std::thread::scope(|scope| {
+        let t = scope.spawn(|| {
+            let mut made = 0u64;
+            let mut i = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || made < 64 {
+                // New sizes (maps), frees on a stream (events), and now and then a release
+                // (unmaps and cuMemRelease).
+                let p = a.malloc_async((1 + i % 37) << 20, other).expect("allocation failed");
+                a.free_async(p, other).expect("free failed");
+                if i % 16 == 15 {
+                    a.release_unused().expect("release_unused failed");
+                }
+                made += 1;
+                i += 1;
+            }
+            made
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        t.join().unwrap()
+    });
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above; `graph` is a valid out-pointer.
+    let r = unsafe { sys::cuStreamEndCapture(stream, &mut graph) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "the capture was invalidated ({made} allocations)");
+    // SAFETY: `graph` came from the capture and is destroyed once.
+    assert_eq!(unsafe { sys::cuGraphDestroy(graph) }, sys::CUresult::CUDA_SUCCESS);
+    assert!(a.take_deferred_error().is_none(), "a call failed beside the capture");
+    a.check_invariants().unwrap();
+}

@@ -338,3 +338,54 @@ def test_set_per_process_memory_fraction_sets_the_cap():
     assert out["fraction"] is None or abs(out["fraction"] - 0.05) < 1e-3, out
     assert out["refused"] and "cap" in out["msg"], out
     assert abs(out["cap_after"] - 0.5 * out["total"]) < 4 << 20, out
+
+
+def test_a_graph_captured_while_another_thread_allocates():
+    """torch.cuda.graph captures in global mode, in which a "potentially unsafe" driver call
+    from any other thread invalidates the capture. MoonBright's maps, unmaps and event queries
+    (another thread's allocations of new sizes, the worker's polls) must not. Allocating inside
+    the capture stays refused (docs/design.md, Stream order)."""
+    out = run(
+        """
+        import json, threading, time, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        a = torch.ones(1 << 20, device="cuda"); b = torch.empty_like(a)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)
+            tmp = [torch.ones((1 << 18) * (i + 1), device="cuda") for i in range(20)]
+            del tmp
+        stop, count = threading.Event(), [0]
+        def churn():
+            with torch.cuda.stream(torch.cuda.Stream()):
+                i = 0
+                while not stop.is_set() or i < 32:
+                    x = torch.empty((1 << 20) * (1 + i % 37), dtype=torch.uint8, device="cuda")
+                    del x
+                    i += 1
+                count[0] = i
+        t = threading.Thread(target=churn); t.start(); time.sleep(0.05)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(1000):
+                    torch.mul(a, 2, out=b)
+                    b.add_(1)
+        stop.set(); t.join()
+        g.replay(); torch.cuda.synchronize()
+        out = {"ok": bool((b == 3).all()), "allocs": count[0],
+               "deferred": moonbright.memory_stats()["moonbright.deferred_errors"]}
+        out["refused"] = False
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                y = a * 2
+        except Exception as e:
+            # PyTorch may end the failed capture with an error of its own, chained to ours.
+            out["refused"] = any("captured into a CUDA graph" in str(x) for x in (e, e.__context__))
+            out["error"] = str(e)[:300]
+        print(json.dumps(out))
+        """
+    )
+    assert out["ok"] and out["allocs"] >= 32 and out["deferred"] == 0, out
+    assert out["refused"], out

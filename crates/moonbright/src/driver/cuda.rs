@@ -23,7 +23,7 @@ const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
 /// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-const REQUIRED_SYMBOLS: [&str; 27] = [
+const REQUIRED_SYMBOLS: [&str; 28] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -51,6 +51,7 @@ const REQUIRED_SYMBOLS: [&str; 27] = [
     "cuEventDestroy_v2",
     "cuEventSynchronize",
     "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Gives each [`CudaDriver`] a distinct id for the per-thread current-context cache. An id, not
@@ -62,6 +63,30 @@ static NEXT_DRIVER_ID: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// The id of the driver whose context this thread last made current (0: none).
     static CURRENT_DRIVER: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Runs `call` with the calling thread's stream-capture mode set to relaxed, then restores it.
+///
+/// While any thread captures a stream into a graph in the default *global* mode (PyTorch's
+/// `torch.cuda.graph` does), a "potentially unsafe" call from any other thread in the default
+/// mode fails and invalidates that capture. MoonBright's virtual-memory calls and event
+/// queries are such calls to the driver, yet they touch no stream being captured: no captured
+/// work uses memory being mapped, unmapped or released, and the events are recorded outside
+/// any capture. Measured on the H200 (`bench/results/h200-session11/f3-capture-modes/`): a
+/// thread allocating beside a global-mode capture invalidated it, and the worker's calls failed
+/// over 2,000 times. The mode is per thread, so this changes nothing for the caller's own calls.
+/// A failure to switch is ignored: the call then runs in the thread's own mode, as before.
+fn relaxed<T>(call: impl FnOnce() -> T) -> T {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid in/out pointer; the driver swaps the thread's mode into it.
+    let swapped =
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS;
+    let out = call();
+    if swapped {
+        // SAFETY: as above; `mode` now holds the thread's earlier mode, which this restores.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
 }
 
 /// The names among `symbols` that libcuda lacks (all of them when there is no libcuda): cudarc
@@ -378,7 +403,7 @@ impl Driver for CudaDriver {
         self.make_current(kind)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both are valid out-pointers; a context is current.
-        let r = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+        let r = relaxed(|| unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) });
         check(kind, r, || "cuMemGetInfo_v2()".into())?;
         Ok(MemInfo { free: free as u64, total: total as u64 })
     }
@@ -389,7 +414,7 @@ impl Driver for CudaDriver {
         let alignment = if alignment == 0 { self.granularity } else { alignment };
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid out-pointer; the driver checks sizes and alignment.
-        let r = unsafe { sys::cuMemAddressReserve(&mut va, size, alignment, 0, 0) };
+        let r = relaxed(|| unsafe { sys::cuMemAddressReserve(&mut va, size, alignment, 0, 0) });
         check(kind, r, || {
             format!("cuMemAddressReserve(size={size:#x}, alignment={alignment:#x})")
         })?;
@@ -400,7 +425,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::FreeReservation;
         self.make_current(kind)?;
         // SAFETY: plain values; the driver validates that they name a reservation.
-        let r = unsafe { sys::cuMemAddressFree(base, size) };
+        let r = relaxed(|| unsafe { sys::cuMemAddressFree(base, size) });
         check(kind, r, || format!("cuMemAddressFree(va={base:#x}, size={size:#x})"))
     }
 
@@ -410,7 +435,7 @@ impl Driver for CudaDriver {
         let prop = self.allocation_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully initialised struct.
-        let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        let r = relaxed(|| unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) });
         check(kind, r, || format!("cuMemCreate(size={size:#x}, device={})", self.ordinal))?;
         Ok(ChunkHandle(handle))
     }
@@ -419,7 +444,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::Release;
         self.make_current(kind)?;
         // SAFETY: a plain value; the driver validates the handle.
-        let r = unsafe { sys::cuMemRelease(handle.0) };
+        let r = relaxed(|| unsafe { sys::cuMemRelease(handle.0) });
         check(kind, r, || format!("cuMemRelease(handle={:#x})", handle.0))
     }
 
@@ -428,7 +453,7 @@ impl Driver for CudaDriver {
         self.make_current(kind)?;
         // SAFETY: plain values; the driver validates that `va` lies in a reservation and that the
         // handle and size match. Mapping only changes device page tables, not host memory.
-        let r = unsafe { sys::cuMemMap(va, size, 0, handle.0, 0) };
+        let r = relaxed(|| unsafe { sys::cuMemMap(va, size, 0, handle.0, 0) });
         check(kind, r, || format!("cuMemMap(va={va:#x}, size={size:#x}, handle={:#x})", handle.0))
     }
 
@@ -440,7 +465,7 @@ impl Driver for CudaDriver {
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: `desc` is one valid descriptor, matching the count of 1.
-        let r = unsafe { sys::cuMemSetAccess(va, size, &desc, 1) };
+        let r = relaxed(|| unsafe { sys::cuMemSetAccess(va, size, &desc, 1) });
         check(kind, r, || {
             format!("cuMemSetAccess(va={va:#x}, size={size:#x}, device={}, RW)", self.ordinal)
         })
@@ -450,7 +475,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::Unmap;
         self.make_current(kind)?;
         // SAFETY: plain values; the driver validates that the range is whole mappings.
-        let r = unsafe { sys::cuMemUnmap(va, size) };
+        let r = relaxed(|| unsafe { sys::cuMemUnmap(va, size) });
         check(kind, r, || format!("cuMemUnmap(va={va:#x}, size={size:#x})"))
     }
 
@@ -513,7 +538,7 @@ impl Driver for CudaDriver {
         let mut event: sys::CUevent = ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `event` is a valid out-pointer; a context is current.
-        let r = unsafe { sys::cuEventCreate(&mut event, flags) };
+        let r = relaxed(|| unsafe { sys::cuEventCreate(&mut event, flags) });
         check(kind, r, || "cuEventCreate(DISABLE_TIMING)".into())?;
         Ok(EventHandle(event as u64))
     }
@@ -531,7 +556,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::EventQuery;
         self.make_current(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
-        let r = unsafe { sys::cuEventQuery(event.0 as sys::CUevent) };
+        let r = relaxed(|| unsafe { sys::cuEventQuery(event.0 as sys::CUevent) });
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
         }
@@ -543,7 +568,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::EventDestroy;
         self.make_current(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
-        let r = unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
+        let r = relaxed(|| unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) });
         check(kind, r, || format!("cuEventDestroy_v2(event={:#x})", event.0))
     }
 
@@ -551,7 +576,7 @@ impl Driver for CudaDriver {
         let kind = CallKind::EventSynchronize;
         self.make_current(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
-        let r = unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) };
+        let r = relaxed(|| unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) });
         check(kind, r, || format!("cuEventSynchronize(event={:#x})", event.0))
     }
 
