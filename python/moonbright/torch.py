@@ -49,6 +49,13 @@ describe PyTorch's pools); :func:`moonbright.memory_stats` describes the segment
 raises PyTorch's own ``torch.OutOfMemoryError``; MoonBright's explanation is in
 :func:`moonbright.last_error`. Use it for scoped work, or when the global allocator is already
 initialised.
+
+CUDA graphs: in either mode, tensors made before a capture can be used inside it, and other
+threads may allocate while it runs. Allocating inside a capture is refused (the address would
+be baked into the graph while MoonBright could reuse the memory): in global mode with
+MoonBright's message, and in pool mode (``torch.cuda.graph(g, pool=pool.id)``) as PyTorch's
+out-of-memory error, with MoonBright's reason printed to stderr. Graph-private pools need
+PyTorch's capture hooks, which its pluggable-allocator interface offers only to C++.
 """
 
 from __future__ import annotations
@@ -302,5 +309,5 @@ def pool() -> Any:
             "moonbright.torch.pool(): MoonBright is already PyTorch's global allocator "
             "(enable() was called); every allocation comes from it, no pool is needed"
         )
-    alloc = _pluggable("moonbright_alloc")
+    alloc = _pluggable("moonbright_pool_alloc")
     return torch.cuda.MemPool(alloc.allocator())

@@ -132,6 +132,28 @@ pub extern "C" fn moonbright_alloc(size: isize, device: c_int, stream: *mut c_vo
     }
 }
 
+/// `moonbright_alloc` for `moonbright.torch.pool()`, whose failures PyTorch's caching allocator
+/// reports as its own out-of-memory error, without MoonBright's message. A request refused
+/// because its stream is being captured into a graph (`torch.cuda.graph(g, pool=pool.id)`)
+/// is no lack of memory, so that refusal is also printed to stderr, saying so.
+#[no_mangle]
+pub extern "C" fn moonbright_pool_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let p = moonbright_alloc(size, device, stream);
+    if p.is_null() && size > 0 {
+        let msg = lock(&LAST_ERROR).as_ref().map(|e| e.0.clone()).unwrap_or_default();
+        if msg.contains("captured into a CUDA graph") {
+            let _ = catch_unwind(|| {
+                eprintln!("moonbright: {msg} (PyTorch reports this as out of memory)")
+            });
+        }
+    }
+    p
+}
+
 /// Frees `ptr` on `device`, stream-ordered on `stream`. A null pointer is ignored; an error
 /// (an unknown pointer, say) is printed to stderr and left for `moonbright.last_error()`:
 /// PyTorch's deleters cannot report one.

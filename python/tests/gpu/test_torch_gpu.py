@@ -389,3 +389,39 @@ def test_a_graph_captured_while_another_thread_allocates():
     )
     assert out["ok"] and out["allocs"] >= 32 and out["deferred"] == 0, out
     assert out["refused"], out
+
+
+def test_a_capture_into_a_moonbright_pool_is_refused_with_the_reason_on_stderr():
+    """torch.cuda.graph(g, pool=pool.id) asks the pool's allocator for a segment on the
+    capturing stream. MoonBright refuses (docs/design.md, Stream order); PyTorch reports a
+    refused segment as its own out-of-memory error, so MoonBright prints why on stderr. Tensors
+    made before the capture work inside it."""
+    code = textwrap.dedent(
+        """
+        import json, torch, moonbright, moonbright.torch
+        pool = moonbright.torch.pool()
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.ones(1 << 20, device="cuda")
+            y = torch.empty_like(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.mul(x, 2, out=y)
+        g.replay(); torch.cuda.synchronize()
+        out = {"static_ok": bool((y == 2).all())}
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool.id):
+                z = x * 3
+            out["refused"] = False
+        except torch.OutOfMemoryError:
+            out["refused"] = True
+        print(json.dumps(out))
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "MOONBRIGHT_ALLOC_CONF": ""},
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    assert out == {"static_ok": True, "refused": True}, out
+    assert "captured into a CUDA graph" in r.stderr and "reports this as out of memory" in r.stderr, r.stderr
