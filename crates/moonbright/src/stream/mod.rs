@@ -348,14 +348,16 @@ impl Shared {
     /// reports that failure). A stock grown past twice `target` (forgotten streams give their
     /// events back to it) is trimmed to `target`, destroying the rest.
     pub fn stock_events(&self, target: usize) {
-        let excess = self.heap().event_stock_excess(target);
+        let (excess, want) = {
+            let mut heap = self.heap();
+            (heap.event_stock_excess(target), heap.event_stock_wanted(target))
+        };
         for ev in excess {
             if let Err(e) = self.driver.destroy_event(ev) {
                 // The event is lost to the allocator either way; the error is the user's to see.
                 self.heap().note_deferred_error(e);
             }
         }
-        let want = self.heap().event_stock_wanted(target);
         let mut made = Vec::with_capacity(want);
         for _ in 0..want {
             match self.driver.create_event() {
