@@ -108,28 +108,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// `moonbright.last_error()`.
 #[no_mangle]
 pub extern "C" fn moonbright_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    if size == 0 {
-        return std::ptr::null_mut();
-    }
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        if size < 0 {
-            return Err((format!("cannot allocate a negative size ({size} bytes)"), false));
-        }
-        let a = allocator(device).map_err(|e| (e, false))?;
-        a.malloc_async(size as usize, StreamHandle(stream as u64))
-            .map_err(|e| (format!("device {device}: {e}"), is_oom(&e)))
-    }));
-    match r {
-        Ok(Ok(p)) => p as *mut c_void,
-        Ok(Err((msg, oom))) => {
-            set_last_error(msg, oom);
-            std::ptr::null_mut()
-        }
-        Err(p) => {
-            set_last_error(format!("internal error (panic): {}", panic_message(&*p)), false);
-            std::ptr::null_mut()
-        }
-    }
+    alloc_entry(size, device, stream, false)
 }
 
 /// `moonbright_alloc` for `moonbright.torch.pool()`, whose failures PyTorch's caching allocator
@@ -142,16 +121,40 @@ pub extern "C" fn moonbright_pool_alloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let p = moonbright_alloc(size, device, stream);
-    if p.is_null() && size > 0 {
-        let msg = lock(&LAST_ERROR).as_ref().map(|e| e.0.clone()).unwrap_or_default();
-        if msg.contains("captured into a CUDA graph") {
-            let _ = catch_unwind(|| {
-                eprintln!("moonbright: {msg} (PyTorch reports this as out of memory)")
-            });
+    alloc_entry(size, device, stream, true)
+}
+
+/// The allocation entry points' body; `say_capture` prints a refusal for graph capture.
+fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, say_capture: bool) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        if size < 0 {
+            return Err((format!("cannot allocate a negative size ({size} bytes)"), false, false));
+        }
+        let a = allocator(device).map_err(|e| (e, false, false))?;
+        a.malloc_async(size as usize, StreamHandle(stream as u64)).map_err(|e| {
+            let capture = matches!(e, Error::StreamCapture { .. });
+            (format!("device {device}: {e}"), is_oom(&e), capture)
+        })
+    }));
+    match r {
+        Ok(Ok(p)) => p as *mut c_void,
+        Ok(Err((msg, oom, capture))) => {
+            if capture && say_capture {
+                let _ = catch_unwind(|| {
+                    eprintln!("moonbright: {msg} (PyTorch reports this as out of memory)")
+                });
+            }
+            set_last_error(msg, oom);
+            std::ptr::null_mut()
+        }
+        Err(p) => {
+            set_last_error(format!("internal error (panic): {}", panic_message(&*p)), false);
+            std::ptr::null_mut()
         }
     }
-    p
 }
 
 /// Frees `ptr` on `device`, stream-ordered on `stream`. A null pointer is ignored; an error
