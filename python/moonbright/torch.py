@@ -207,7 +207,10 @@ def _patch_record_stream(torch: Any) -> None:
                 device_index=stream.device_index,
                 device_type=stream.device_type,
             ).cuda_stream
-        ptr = self.untyped_storage().data_ptr()
+        try:
+            ptr = self.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # layouts without one storage (sparse)
+            return
         if ptr:
             moonbright.record_stream(ptr, int(handle), self.device.index, missing_ok=True)
 

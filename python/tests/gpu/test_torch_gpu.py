@@ -425,3 +425,36 @@ def test_a_capture_into_a_moonbright_pool_is_refused_with_the_reason_on_stderr()
     out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
     assert out == {"static_ok": True, "refused": True}, out
     assert "captured into a CUDA graph" in r.stderr and "reports this as out of memory" in r.stderr, r.stderr
+
+
+def test_record_stream_with_a_generic_torch_stream():
+    """Tensor.record_stream also takes a device-generic torch.Stream (what
+    torch.accelerator.current_stream() returns); the wrapper turns it into its CUstream."""
+    out = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        w = torch.ones(256, device="cuda")
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1000); w = w * 2
+        w = torch.full((256,), 7.0, device="cuda"); torch.cuda.synchronize(); del w
+        with torch.cuda.stream(side):
+            generic = torch.accelerator.current_stream()
+        x = torch.ones(250, device="cuda"); ptr = x.data_ptr()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000); y = x * 2
+        x.record_stream(generic)
+        del x
+        z = torch.full((250,), 7.0, device="cuda")
+        out = {"type": type(generic).__name__, "reused_early": z.data_ptr() == ptr,
+               "side_busy": not side.query()}
+        torch.cuda.synchronize()
+        out["side_read_ok"] = bool((y == 2).all())
+        out["joined"] = moonbright.memory_stats()["moonbright.joined_frees"]
+        print(json.dumps(out))
+        """
+    )
+    assert out == {"type": "Stream", "reused_early": False, "side_busy": True,
+                   "side_read_ok": True, "joined": 1}, out
