@@ -22,6 +22,12 @@ Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB
 PyTorch: see :mod:`moonbright.torch` (``moonbright.torch.enable()`` or
 ``moonbright.torch.pool()``).
 
+``device=None`` in these functions means the configured ``device`` (option ``device``, 0 by
+default), not PyTorch's current device, and a call for a device with no allocator yet creates
+one there (and a CUDA context). In a process that works on another GPU, a
+``torch.distributed`` rank say, pass ``device=`` explicitly; under ``moonbright.torch.enable()``
+PyTorch's own ``torch.cuda.memory_stats()`` and the like use its current device.
+
 The C entry points ``moonbright_alloc(size, device, stream)`` and
 ``moonbright_free(ptr, size, device, stream)`` (PyTorch's CUDAPluggableAllocator signatures) are
 exported by the extension module itself, :func:`library_path`. They return null on failure and
