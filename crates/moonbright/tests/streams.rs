@@ -678,3 +678,25 @@ fn a_joined_free_survives_a_failed_record_and_serves_a_request_short_of_memory()
     a.free_async(q, s[1]).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// The capture check of a recorded stream fails in the driver: the free returns the error and
+/// changes nothing, and the allocation can still be freed afterwards.
+#[test]
+fn a_failed_capture_check_of_a_recorded_stream_changes_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    stamp(&a, p, 3 * PAGE, 4).unwrap();
+    a.record_stream(p, s[1]).unwrap();
+    // The first query is the freeing stream's, the second the recorded stream's.
+    a.driver().fail_nth(CallKind::StreamIsCapturing, 2, None);
+    assert!(matches!(a.free_async(p, s[0]), Err(Error::Driver(_))));
+    assert_eq!(a.usable_size(p), Some(3 * PAGE), "the failed free changed something");
+    assert!(verify(&a, p, 3 * PAGE, 4).unwrap());
+    assert_eq!(a.stats().joined_frees, 0);
+    a.free_async(p, s[0]).unwrap();
+    assert_eq!(a.stats().joined_frees, 1);
+    assert!(a.poll());
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
+    a.check_invariants().unwrap();
+}

@@ -3,12 +3,11 @@
 //! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
 //! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{hash_map::Entry, BTreeMap, BTreeSet, VecDeque};
 
 // Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
 // DoS-resistant one.
 use foldhash::{HashMap, HashMapExt};
-use std::collections::hash_map::Entry;
 
 use super::chunks::Chunks;
 use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
@@ -545,16 +544,10 @@ impl Heap {
     /// Until `uses_checked`, such a free changes nothing and asks the caller to check that none
     /// of those streams is capturing (`Freed::CheckUses`), as it must for `stream`.
     pub fn free_on_stream(&mut self, ptr: u64, stream: u64, uses_checked: bool) -> Result<Freed> {
-        let mut unchecked = None;
-        let live = self.take_live_unless(ptr, |l| {
-            let check = !uses_checked && l.uses.iter().any(|&u| u != stream);
-            if check {
-                unchecked = Some(l.uses.clone());
-            }
-            check
-        })?;
-        let Some(live) = live else {
-            return Ok(Freed::CheckUses(unchecked.expect("kept for a check")));
+        let keep = |l: &Live| !uses_checked && l.uses.iter().any(|&u| u != stream);
+        let Some(live) = self.take_live_unless(ptr, keep)? else {
+            // Kept live for the check (a second lookup, on this rare path only).
+            return Ok(Freed::CheckUses(self.live[&ptr].uses.clone()));
         };
         self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
         let what = match live.backing {
