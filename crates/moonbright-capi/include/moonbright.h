@@ -483,6 +483,21 @@ int mb_get_cap(struct mb_allocator *alloc, uint64_t *out_bytes);
 int mb_set_cap(struct mb_allocator *alloc, uint64_t bytes, uint64_t *out_bytes);
 
 /**
+ * Grants device `peer` access to all of this allocator's memory, mapped now and later, so that
+ * kernels and copies on `peer` reach it directly: needed for copies between GPUs in one process,
+ * since `cudaDeviceEnablePeerAccess` does not cover virtual-memory mappings. Enabling a peer
+ * twice, or the allocator's own device, does nothing. Each later mapping's set access names
+ * every peer, and costs more for it; enable only the devices that use this memory.
+ *
+ * Returns `MB_ERR_DRIVER` when `peer` cannot reach this device peer to peer or a driver call
+ * fails; no peer is added then, and allocations keep working.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_enable_peer_access(struct mb_allocator *alloc, int peer);
+
+/**
  * Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
  *
  * # Safety

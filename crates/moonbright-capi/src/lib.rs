@@ -629,6 +629,26 @@ pub unsafe extern "C" fn mb_set_cap(
     })
 }
 
+/// Grants device `peer` access to all of this allocator's memory, mapped now and later, so that
+/// kernels and copies on `peer` reach it directly: needed for copies between GPUs in one process,
+/// since `cudaDeviceEnablePeerAccess` does not cover virtual-memory mappings. Enabling a peer
+/// twice, or the allocator's own device, does nothing. Each later mapping's set access names
+/// every peer, and costs more for it; enable only the devices that use this memory.
+///
+/// Returns `MB_ERR_DRIVER` when `peer` cannot reach this device peer to peer or a driver call
+/// fails; no peer is added then, and allocations keep working.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_enable_peer_access(alloc: *mut mb_allocator, peer: c_int) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        Ok(a.enable_peer_access(peer)?)
+    })
+}
+
 /// Stores the page size (the mapping granularity) in bytes in `*out_bytes`.
 ///
 /// # Safety

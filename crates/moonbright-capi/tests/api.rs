@@ -431,6 +431,25 @@ fn set_cap_statuses() {
 }
 
 #[test]
+fn enable_peer_access_statuses() {
+    let a = create(&host_options());
+    let mut p = 0u64;
+    // SAFETY: `a` is live, the outputs are live locals or NULL.
+    unsafe {
+        assert_eq!(mb_malloc(a, 3 << 16, &mut p), MB_OK);
+        assert_eq!(mb_enable_peer_access(a, 1), MB_OK, "{}", last_error());
+        assert_eq!(mb_enable_peer_access(a, 1), MB_OK, "twice");
+        // The host backend is device 0 and models devices 0..8.
+        assert_eq!(mb_enable_peer_access(a, 0), MB_ERR_DRIVER);
+        assert!(last_error().contains("peer"), "{}", last_error());
+        assert_eq!(mb_enable_peer_access(a, 99), MB_ERR_DRIVER);
+        assert_eq!(mb_enable_peer_access(std::ptr::null_mut(), 1), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
 fn growable_reserve_resize_info_release() {
     // SAFETY: every pointer passed is NULL where the test means it, else points to a live
     // local or is a live handle from `mb_create`.

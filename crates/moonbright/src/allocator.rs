@@ -99,6 +99,12 @@ impl Driver for Backend {
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         self.as_dyn().unmap(va, size)
     }
+    fn set_peers(&self, peers: &[i32]) -> DriverResult<()> {
+        self.as_dyn().set_peers(peers)
+    }
+    fn bind_thread(&self) -> DriverResult<()> {
+        self.as_dyn().bind_thread()
+    }
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
         self.as_dyn().write(dst, src)
     }
@@ -384,6 +390,33 @@ impl Allocator {
             self.release_unused()?;
         }
         Ok(cap)
+    }
+
+    /// Grants device `peer` access to this allocator's memory, mapped now and later, so that
+    /// kernels and copies on `peer` reach it directly (what `cudaDeviceEnablePeerAccess` does for
+    /// `cudaMalloc` memory, and does not do for virtual-memory mappings). Each mapping's set
+    /// access then names the peer too. Enabling a peer twice, or this allocator's own device,
+    /// does nothing. A device that cannot reach this one peer to peer is refused
+    /// ([`CallKind::PeerAccess`](crate::CallKind::PeerAccess)), and so is any failure, with no
+    /// peer added; allocations keep working. Requests that must map wait while it runs.
+    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        if self.device() == Some(peer) {
+            return Ok(());
+        }
+        self.shared.enable_peer_access(peer)
+    }
+
+    /// The devices granted access by [`Allocator::enable_peer_access`].
+    pub fn peers(&self) -> Vec<i32> {
+        self.shared.peers()
+    }
+
+    /// The CUDA device this allocator serves (`None` on the host backend).
+    pub fn device(&self) -> Option<i32> {
+        match self.shared.driver.inner() {
+            Backend::Cuda(d) => Some(d.device()),
+            Backend::Host(_) => None,
+        }
     }
 
     /// The cap on physical bytes held.

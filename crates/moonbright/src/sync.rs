@@ -3,10 +3,10 @@
 //! thread waits for another's progress.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{atomic, Condvar, Mutex, MutexGuard};
+pub(crate) use loom::sync::{atomic, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::{atomic, Condvar, Mutex, MutexGuard};
+pub(crate) use std::sync::{atomic, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 /// Lets other threads make progress for about `d` (a sleep; under loom, a yield, which is what
 /// lets the model checker run the thread being waited for).

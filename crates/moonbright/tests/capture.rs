@@ -6,6 +6,15 @@ use cudarc::driver::sys;
 use moonbright::driver::Driver;
 use moonbright::{Allocator, BackendKind, Error, Options};
 
+/// Makes the allocator's context this thread's, for the test's own driver calls (MoonBright's
+/// calls leave the thread's current context as they find it).
+fn bind(a: &Allocator) {
+    match a.driver().inner() {
+        moonbright::Backend::Cuda(d) => d.bind_context().unwrap(),
+        moonbright::Backend::Host(_) => unreachable!("a CUDA test"),
+    }
+}
+
 #[test]
 fn allocation_during_graph_capture_is_refused() {
     if let Err(why) = moonbright::driver::cuda::probe() {
@@ -19,11 +28,12 @@ fn allocation_during_graph_capture_is_refused() {
         ..Options::default()
     })
     .unwrap();
+    bind(&a);
     let s = a.driver().create_stream().unwrap();
     let before = a.malloc_async(4 << 20, s).unwrap();
     let stream = s.0 as sys::CUstream;
-    // SAFETY: `stream` is a live stream of the allocator's device, whose primary context the
-    // allocator made current on this thread (create_stream above).
+    // SAFETY: `stream` is a live stream of the allocator's device, whose primary context is
+    // current on this thread (`bind`).
     let r = unsafe {
         sys::cuStreamBeginCapture_v2(
             stream,
@@ -65,11 +75,12 @@ fn allocation_beside_a_global_mode_capture_leaves_it_valid() {
         ..Options::default()
     })
     .unwrap();
+    bind(&a);
     let s = a.driver().create_stream().unwrap();
     let other = a.driver().create_stream().unwrap();
     let stream = s.0 as sys::CUstream;
-    // SAFETY: `stream` is a live stream of the allocator's device, whose primary context the
-    // allocator made current on this thread (create_stream above).
+    // SAFETY: `stream` is a live stream of the allocator's device, whose primary context is
+    // current on this thread (`bind`).
     let r = unsafe {
         sys::cuStreamBeginCapture_v2(
             stream,

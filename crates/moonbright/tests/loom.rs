@@ -39,6 +39,9 @@ impl Driver for Null {
     fn set_access(&self, _: DevicePtr, _: usize) -> DriverResult<()> {
         Ok(())
     }
+    fn set_peers(&self, _: &[i32]) -> DriverResult<()> {
+        Ok(())
+    }
     fn unmap(&self, _: DevicePtr, _: usize) -> DriverResult<()> {
         Ok(())
     }

@@ -1349,6 +1349,21 @@ impl Heap {
         }
     }
 
+    /// Every span mapped for use, as (address, bytes): ranges of every kind (live, arenas,
+    /// pending, cached), window segments and growables' committed pages. What a new peer must
+    /// be granted access to; retired spans, on their way to be unmapped, are left out.
+    pub fn mapped_spans(&self) -> Vec<(u64, u64)> {
+        let ranges = self.ranges.iter().flatten().map(|r| (r.va, self.bytes(r.pages)));
+        let window =
+            self.window.segments().map(|(va, chunks)| (va, self.bytes(chunks.len() as u64)));
+        let growables = self
+            .growables
+            .values()
+            .filter(|g| !g.released && g.committed > 0)
+            .map(|g| (g.base, self.bytes(g.committed)));
+        ranges.chain(window).chain(growables).collect()
+    }
+
     /// Retires every cached range and the window, for `release_unused`.
     pub fn retire_all_free(&mut self) {
         while let Some((&seq, _)) = self.cached_lru.iter().next() {

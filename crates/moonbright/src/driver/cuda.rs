@@ -1,14 +1,13 @@
 //! The CUDA backend: [`CudaDriver`] implements [`Driver`] on the CUDA virtual-memory API through
-//! cudarc's `sys` layer (libcuda loaded at run time). It owns the device's primary context, the
-//! per-thread "make it current" cache, and the conversion of every `CUresult` into a [`DriverError`].
+//! cudarc's `sys` layer (libcuda loaded at run time). It owns the device's primary context (and
+//! which context each call runs under), the peers granted access, and the conversion of every
+//! `CUresult` into a [`DriverError`].
 
-use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
-// Not `crate::sync`: a process-wide id counter in a `static` (loom's atomics are not const), and
-// nothing loom needs to model.
-use std::sync::atomic::{AtomicU64, Ordering};
+// Not `crate::sync`: the CUDA backend is never run under loom.
+use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
@@ -23,13 +22,18 @@ const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
 /// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-const REQUIRED_SYMBOLS: [&str; 28] = [
+const REQUIRED_SYMBOLS: [&str; 33] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
+    "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuCtxGetDevice",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuMemGetAllocationGranularity",
@@ -53,17 +57,6 @@ const REQUIRED_SYMBOLS: [&str; 28] = [
     "cuStreamIsCapturing",
     "cuThreadExchangeStreamCaptureMode",
 ];
-
-/// Gives each [`CudaDriver`] a distinct id for the per-thread current-context cache. An id, not
-/// the `CUcontext` pointer, is cached: a primary context released to zero and retained again
-/// keeps its pointer, and a thread that cached the pointer would skip the `cuCtxSetCurrent` the
-/// fresh driver needs.
-static NEXT_DRIVER_ID: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// The id of the driver whose context this thread last made current (0: none).
-    static CURRENT_DRIVER: Cell<u64> = const { Cell::new(0) };
-}
 
 /// Runs `call` with the calling thread's stream-capture mode set to relaxed, then restores it.
 ///
@@ -138,14 +131,6 @@ fn check(kind: CallKind, result: sys::CUresult, call: impl FnOnce() -> String) -
     if result == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
-    if matches!(
-        result,
-        sys::CUresult::CUDA_ERROR_INVALID_CONTEXT | sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED
-    ) {
-        // Someone changed this thread's current context behind our back: forget the cache so the
-        // next call makes ours current again.
-        let _ = CURRENT_DRIVER.try_with(|c| c.set(0));
-    }
     Err(DriverError::new(kind, result as i32, format!("{} -> {}", call(), describe(result))))
 }
 
@@ -198,6 +183,68 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 #[derive(Clone, Copy, Debug)]
 struct PrimaryContext(sys::CUcontext);
 
+/// The context [`CudaDriver::enter`] pushed for one call, popped when the scope ends.
+struct CtxScope {
+    pushed: bool,
+}
+
+impl Drop for CtxScope {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut popped: sys::CUcontext = ptr::null_mut();
+            // SAFETY: `enter` pushed a context on this thread and nothing since has popped it
+            // (the scope lives within one call on one thread); `popped` is a valid out-pointer.
+            unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        }
+    }
+}
+
+/// The calling thread's current context (null when none is).
+fn current_context(kind: CallKind) -> DriverResult<sys::CUcontext> {
+    let mut cur: sys::CUcontext = ptr::null_mut();
+    // SAFETY: `cur` is a valid out-pointer.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+    check(kind, r, || "cuCtxGetCurrent()".into())?;
+    Ok(cur)
+}
+
+/// The device of the calling thread's current CUDA context, if a context is current: the
+/// device a CUDA runtime user (PyTorch's `torch.cuda.current_device()`) has selected on this
+/// thread. `None` without libcuda, before `cuInit`, or with no current context. Never panics.
+pub fn current_device() -> Option<i32> {
+    // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
+    if !unsafe { sys::is_culib_present() }
+        || !missing_symbols(&["cuCtxGetCurrent", "cuCtxGetDevice"]).is_empty()
+    {
+        return None;
+    }
+    catch_unwind(|| {
+        let ctx = current_context(CallKind::MemInfo).ok()?;
+        if ctx.is_null() {
+            return None;
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: `device` is a valid out-pointer; a context is current on this thread.
+        let r = unsafe { sys::cuCtxGetDevice(&mut device) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer; cuInit has run (a context exists).
+        if unsafe { sys::cuDeviceGetCount(&mut count) } != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        (0..count).find(|&i| {
+            let mut d: sys::CUdevice = -1;
+            // SAFETY: `d` is a valid out-pointer; `i` is in range.
+            let r = unsafe { sys::cuDeviceGet(&mut d, i) };
+            r == sys::CUresult::CUDA_SUCCESS && d == device
+        })
+    })
+    .ok()
+    .flatten()
+}
+
 // SAFETY: a `CUcontext` is an opaque handle the driver accepts from any thread; a primary context
 // in particular may be made current on, and used from, any number of threads at once (that is
 // what the runtime API does with it). We never dereference the pointer, and the retain/release
@@ -215,8 +262,8 @@ pub struct CudaDriver {
     cu_device: sys::CUdevice,
     ctx: PrimaryContext,
     granularity: usize,
-    /// This driver's key in the per-thread current-context cache.
-    id: u64,
+    /// Other devices `set_access` grants access to, beside this one (`Driver::set_peers`).
+    peers: Mutex<Vec<i32>>,
 }
 
 // Every method is usable from any thread (the primary context is made current on demand).
@@ -292,9 +339,9 @@ impl CudaDriver {
             cu_device: device,
             ctx: PrimaryContext(ctx),
             granularity: 0,
-            id: NEXT_DRIVER_ID.fetch_add(1, Ordering::Relaxed),
+            peers: Mutex::new(Vec::new()),
         };
-        driver.make_current(kind)?;
+        let _ctx = driver.enter(kind)?;
         let prop = driver.allocation_prop();
         let mut granularity = 0usize;
         // SAFETY: both pointers are valid for the call; `prop` is a fully initialised
@@ -328,30 +375,36 @@ impl CudaDriver {
         self.ctx.0
     }
 
-    /// Makes the device's primary context current on the calling thread, for callers that make
-    /// context-bound calls of their own (the paged pool's kernel launches). Cheap when it is
-    /// current already.
+    /// Makes the device's primary context current on the calling thread, and leaves it so, for
+    /// callers that make context-bound calls of their own (the paged pool's kernel launches) and
+    /// for MoonBright's own threads. Cheap when it is current already.
     pub fn bind_context(&self) -> DriverResult<()> {
-        self.make_current(CallKind::MemInfo)
-    }
-
-    /// Makes the primary context current on the calling thread, unless this thread's cache says
-    /// it already is. Failures are reported as `kind`, the call that needed the context.
-    ///
-    /// The cache trusts that nobody else changes this thread's current context; if someone does,
-    /// a call may run under their context (the VMM calls name the device explicitly and do not
-    /// care; streams and events would), and an invalid-context error resets the cache.
-    #[inline]
-    fn make_current(&self, kind: CallKind) -> DriverResult<()> {
-        if CURRENT_DRIVER.try_with(Cell::get).ok() == Some(self.id) {
+        let kind = CallKind::MemInfo;
+        if current_context(kind)? == self.ctx.0 {
             return Ok(());
         }
         let ctx = self.ctx.0;
         // SAFETY: `ctx` is the primary context retained by `new` and not yet released.
         let r = unsafe { sys::cuCtxSetCurrent(ctx) };
-        check(kind, r, || format!("cuCtxSetCurrent(ctx={ctx:p})"))?;
-        let _ = CURRENT_DRIVER.try_with(|c| c.set(self.id));
-        Ok(())
+        check(kind, r, || format!("cuCtxSetCurrent(ctx={ctx:p})"))
+    }
+
+    /// Runs the rest of a call under this device's primary context, and leaves the calling
+    /// thread's own current context as it was: when another context (or none) is current, ours
+    /// is pushed, and the returned scope pops it. The caller's current device is theirs: PyTorch
+    /// reads its current device from the current context, so setting ours for good on a thread
+    /// that frees a tensor of another GPU would move the thread's later tensors to that GPU.
+    /// Failures are reported as `kind`, the call that needed the context.
+    #[inline]
+    fn enter(&self, kind: CallKind) -> DriverResult<CtxScope> {
+        let ctx = self.ctx.0;
+        if current_context(kind)? == ctx {
+            return Ok(CtxScope { pushed: false });
+        }
+        // SAFETY: `ctx` is the primary context retained by `new` and not yet released.
+        let r = unsafe { sys::cuCtxPushCurrent_v2(ctx) };
+        check(kind, r, || format!("cuCtxPushCurrent_v2(ctx={ctx:p})"))?;
+        Ok(CtxScope { pushed: true })
     }
 
     /// Device-pinned memory on this device, every other field zero.
@@ -367,20 +420,17 @@ impl CudaDriver {
 
     /// This device, as a memory location.
     fn location(&self) -> sys::CUmemLocation {
-        sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: self.ordinal,
-        }
+        device_location(self.ordinal)
     }
+}
+
+/// Device `ordinal`, as a memory location.
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
 }
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        let _ = CURRENT_DRIVER.try_with(|c| {
-            if c.get() == self.id {
-                c.set(0);
-            }
-        });
         let device = self.cu_device;
         // SAFETY: `new` retained this device's primary context exactly once for this driver; this
         // is the matching release. The symbol was checked present in `new`, and a panic (which
@@ -400,7 +450,7 @@ impl Driver for CudaDriver {
 
     fn mem_info(&self) -> DriverResult<MemInfo> {
         let kind = CallKind::MemInfo;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both are valid out-pointers; a context is current.
         let r = relaxed(|| unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) });
@@ -410,7 +460,7 @@ impl Driver for CudaDriver {
 
     fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
         let kind = CallKind::Reserve;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let alignment = if alignment == 0 { self.granularity } else { alignment };
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid out-pointer; the driver checks sizes and alignment.
@@ -423,7 +473,7 @@ impl Driver for CudaDriver {
 
     fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
         let kind = CallKind::FreeReservation;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: plain values; the driver validates that they name a reservation.
         let r = relaxed(|| unsafe { sys::cuMemAddressFree(base, size) });
         check(kind, r, || format!("cuMemAddressFree(va={base:#x}, size={size:#x})"))
@@ -431,7 +481,7 @@ impl Driver for CudaDriver {
 
     fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
         let kind = CallKind::Create;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let prop = self.allocation_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully initialised struct.
@@ -442,7 +492,7 @@ impl Driver for CudaDriver {
 
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
         let kind = CallKind::Release;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: a plain value; the driver validates the handle.
         let r = relaxed(|| unsafe { sys::cuMemRelease(handle.0) });
         check(kind, r, || format!("cuMemRelease(handle={:#x})", handle.0))
@@ -450,7 +500,7 @@ impl Driver for CudaDriver {
 
     fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
         let kind = CallKind::Map;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: plain values; the driver validates that `va` lies in a reservation and that the
         // handle and size match. Mapping only changes device page tables, not host memory.
         let r = relaxed(|| unsafe { sys::cuMemMap(va, size, 0, handle.0, 0) });
@@ -459,21 +509,72 @@ impl Driver for CudaDriver {
 
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         let kind = CallKind::SetAccess;
-        self.make_current(kind)?;
-        let desc = sys::CUmemAccessDesc {
-            location: self.location(),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: `desc` is one valid descriptor, matching the count of 1.
-        let r = relaxed(|| unsafe { sys::cuMemSetAccess(va, size, &desc, 1) });
+        let _ctx = self.enter(kind)?;
+        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let desc = |id| sys::CUmemAccessDesc { location: device_location(id), flags: rw };
+        let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
+            .chain(self.peers.lock().unwrap_or_else(|e| e.into_inner()).iter().copied())
+            .map(desc)
+            .collect();
+        // SAFETY: `descs` holds `descs.len()` valid descriptors for the whole call.
+        let r = relaxed(|| unsafe { sys::cuMemSetAccess(va, size, descs.as_ptr(), descs.len()) });
         check(kind, r, || {
-            format!("cuMemSetAccess(va={va:#x}, size={size:#x}, device={}, RW)", self.ordinal)
+            let devices: Vec<i32> = descs.iter().map(|d| d.location.id).collect();
+            format!("cuMemSetAccess(va={va:#x}, size={size:#x}, devices={devices:?}, RW)")
         })
+    }
+
+    fn set_peers(&self, peers: &[i32]) -> DriverResult<()> {
+        let kind = CallKind::PeerAccess;
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer; cuInit ran in `new`.
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        check(kind, r, || "cuDeviceGetCount()".into())?;
+        for &peer in peers {
+            if peer == self.ordinal || !(0..count).contains(&peer) {
+                return Err(DriverError::new(
+                    kind,
+                    INVALID_DEVICE,
+                    format!(
+                        "device {peer} cannot be a peer of device {}: {count} device(s), and a \
+                         device is not its own peer",
+                        self.ordinal
+                    ),
+                ));
+            }
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: `dev` is a valid out-pointer; the ordinal is in range.
+            let r = unsafe { sys::cuDeviceGet(&mut dev, peer) };
+            check(kind, r, || format!("cuDeviceGet(ordinal={peer})"))?;
+            let mut can = 0;
+            // SAFETY: `can` is a valid out-pointer; both devices came from cuDeviceGet.
+            let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, self.cu_device) };
+            check(kind, r, || {
+                format!("cuDeviceCanAccessPeer(device={peer}, peer={})", self.ordinal)
+            })?;
+            if can == 0 {
+                return Err(DriverError::new(
+                    kind,
+                    code::NOT_SUPPORTED,
+                    format!(
+                        "cuDeviceCanAccessPeer: device {peer} cannot access device {}'s memory \
+                         directly (no peer-to-peer path between them)",
+                        self.ordinal
+                    ),
+                ));
+            }
+        }
+        *self.peers.lock().unwrap_or_else(|e| e.into_inner()) = peers.to_vec();
+        Ok(())
+    }
+
+    fn bind_thread(&self) -> DriverResult<()> {
+        self.bind_context()
     }
 
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         let kind = CallKind::Unmap;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: plain values; the driver validates that the range is whole mappings.
         let r = relaxed(|| unsafe { sys::cuMemUnmap(va, size) });
         check(kind, r, || format!("cuMemUnmap(va={va:#x}, size={size:#x})"))
@@ -484,7 +585,7 @@ impl Driver for CudaDriver {
             return Ok(());
         }
         let kind = CallKind::Copy;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let len = src.len();
         // SAFETY: `src` is valid for reads of `len` bytes for the whole (synchronous) copy; the
         // driver validates the device range.
@@ -497,7 +598,7 @@ impl Driver for CudaDriver {
             return Ok(());
         }
         let kind = CallKind::Copy;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let len = dst.len();
         // SAFETY: `dst` is valid for writes of `len` bytes, borrowed exclusively for the whole
         // (synchronous) copy; any byte pattern is a valid u8. The driver validates the source.
@@ -507,7 +608,7 @@ impl Driver for CudaDriver {
 
     fn create_stream(&self) -> DriverResult<StreamHandle> {
         let kind = CallKind::StreamCreate;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let mut stream: sys::CUstream = ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: `stream` is a valid out-pointer; a context is current.
@@ -525,7 +626,7 @@ impl Driver for CudaDriver {
                 "cuStreamDestroy_v2(stream=0x0): the default stream cannot be destroyed",
             ));
         }
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: the handle came from `create_stream` (the driver rejects stale ones it can
         // detect); it is only passed back to the driver.
         let r = unsafe { sys::cuStreamDestroy_v2(stream.0 as sys::CUstream) };
@@ -534,7 +635,7 @@ impl Driver for CudaDriver {
 
     fn create_event(&self) -> DriverResult<EventHandle> {
         let kind = CallKind::EventCreate;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let mut event: sys::CUevent = ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `event` is a valid out-pointer; a context is current.
@@ -545,7 +646,7 @@ impl Driver for CudaDriver {
 
     fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
         let kind = CallKind::EventRecord;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: the handles came from `create_event` / `create_stream` (or are the null
         // stream); they are only passed back to the driver.
         let r = unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream) };
@@ -554,7 +655,7 @@ impl Driver for CudaDriver {
 
     fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
         let kind = CallKind::EventQuery;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
         let r = relaxed(|| unsafe { sys::cuEventQuery(event.0 as sys::CUevent) });
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -566,7 +667,7 @@ impl Driver for CudaDriver {
 
     fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
         let kind = CallKind::EventDestroy;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
         let r = relaxed(|| unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) });
         check(kind, r, || format!("cuEventDestroy_v2(event={:#x})", event.0))
@@ -574,7 +675,7 @@ impl Driver for CudaDriver {
 
     fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
         let kind = CallKind::EventSynchronize;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         // SAFETY: the handle came from `create_event`; it is only passed back to the driver.
         let r = relaxed(|| unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) });
         check(kind, r, || format!("cuEventSynchronize(event={:#x})", event.0))
@@ -582,7 +683,7 @@ impl Driver for CudaDriver {
 
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
         let kind = CallKind::StreamIsCapturing;
-        self.make_current(kind)?;
+        let _ctx = self.enter(kind)?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the stream is the caller's (or null for the default stream) and `status` is a
         // valid out-pointer for the duration of the call.
@@ -777,5 +878,66 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    #[test]
+    fn calls_leave_the_threads_current_context_as_they_find_it() {
+        let Some(d) = gpu() else { return };
+        let d = std::sync::Arc::new(d);
+        let d2 = d.clone();
+        std::thread::spawn(move || {
+            assert!(current_device().is_none(), "a fresh thread has no current context");
+            let g = d2.granularity();
+            let va = d2.reserve(g, 0).unwrap();
+            let c = d2.create_chunk(g).unwrap();
+            d2.map(va, g, c).unwrap();
+            d2.set_access(va, g).unwrap();
+            let e = d2.create_event().unwrap();
+            d2.record_event(e, StreamHandle::DEFAULT).unwrap();
+            d2.synchronize_event(e).unwrap();
+            d2.destroy_event(e).unwrap();
+            assert!(current_device().is_none(), "a call left its context current");
+            d2.bind_context().unwrap();
+            assert_eq!(current_device(), Some(d2.device()), "bound for good");
+            d2.unmap(va, g).unwrap();
+            d2.release_chunk(c).unwrap();
+            d2.free_reservation(va, g).unwrap();
+            assert_eq!(current_device(), Some(d2.device()));
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn peers_are_checked_and_named_in_set_access() {
+        let Some(d) = gpu() else { return };
+        let count = probe().unwrap();
+        for bad in [d.device(), count, -1] {
+            let e = d.set_peers(&[bad]).unwrap_err();
+            assert_eq!(e.call, CallKind::PeerAccess, "{e}");
+        }
+        if count < 2 {
+            println!("one GPU: peers beyond the refusals are tested on two (test_multi_gpu.py)");
+            return;
+        }
+        d.set_peers(&[1]).unwrap();
+        let g = d.granularity();
+        let va = d.reserve(g, 0).unwrap();
+        let c = d.create_chunk(g).unwrap();
+        d.map(va, g, c).unwrap();
+        d.set_access(va, g).unwrap();
+        let mut flags = 0u64;
+        let loc = device_location(1);
+        // SAFETY: `flags` and `loc` are valid for the call; `va` is mapped.
+        let r = unsafe { sys::cuMemGetAccess(&mut flags, &loc, va) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            flags,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64,
+            "device 1 was granted access"
+        );
+        d.unmap(va, g).unwrap();
+        d.release_chunk(c).unwrap();
+        d.free_reservation(va, g).unwrap();
     }
 }

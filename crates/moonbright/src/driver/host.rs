@@ -38,6 +38,10 @@ pub struct HostDriver {
     page_size: usize,
     capacity: u64,
     state: Mutex<State>,
+    /// Devices `set_access` grants access to besides this one (`Driver::set_peers`). Apart from
+    /// `state`, and a lock loom sees: the models check how a grant to a new peer orders with
+    /// the maps of requests in flight, which a lock loom cannot see would hide from them.
+    peers: crate::sync::Mutex<Vec<i32>>,
 }
 
 /// A physical chunk: a range of memfd offsets.
@@ -85,6 +89,8 @@ struct State {
     mappings: BTreeMap<u64, Mapping>,
     /// Accessible ranges: start -> end, disjoint and coalesced; always inside mappings.
     accessible: BTreeMap<u64, u64>,
+    /// Ranges each peer was granted access to, as `accessible`.
+    peer_accessible: HashMap<i32, BTreeMap<u64, u64>>,
     next_stream: u64,
     /// stream -> the token of its current hold, if held.
     streams: HashMap<u64, Option<u64>>,
@@ -93,6 +99,50 @@ struct State {
     events: HashMap<u64, EventState>,
     /// Streams a test has put into graph capture.
     capturing: std::collections::HashSet<u64>,
+}
+
+/// Devices the host backend models: it is device 0, and every other can be its peer.
+pub const HOST_DEVICES: i32 = 8;
+
+/// Adds `[start, end)` to a set of disjoint, coalesced spans (start -> end).
+fn add_span(spans: &mut BTreeMap<u64, u64>, mut start: u64, mut end: u64) {
+    if let Some((&s, &e)) = spans.range(..=start).next_back() {
+        if e >= start {
+            spans.remove(&s);
+            start = s;
+            end = end.max(e);
+        }
+    }
+    let inside: Vec<(u64, u64)> = spans.range(start..=end).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in inside {
+        spans.remove(&s);
+        end = end.max(e);
+    }
+    spans.insert(start, end);
+}
+
+/// Removes `[start, end)` from a set of spans.
+fn remove_span(spans: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
+    if let Some((&s, &e)) = spans.range(..start).next_back() {
+        if e > start {
+            spans.insert(s, start);
+            if e > end {
+                spans.insert(end, e);
+            }
+        }
+    }
+    let inside: Vec<(u64, u64)> = spans.range(start..end).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in inside {
+        spans.remove(&s);
+        if e > end {
+            spans.insert(end, e);
+        }
+    }
+}
+
+/// Whether one span covers `[start, end)`.
+fn covers(spans: &BTreeMap<u64, u64>, start: u64, end: u64) -> bool {
+    matches!(spans.range(..=start).next_back(), Some((_, &e)) if e >= end)
 }
 
 fn err(call: CallKind, code: i32, message: impl Into<String>) -> DriverError {
@@ -150,6 +200,7 @@ impl HostDriver {
                 reservations: BTreeMap::new(),
                 mappings: BTreeMap::new(),
                 accessible: BTreeMap::new(),
+                peer_accessible: HashMap::new(),
                 next_stream: 1,
                 streams,
                 next_hold: 1,
@@ -157,6 +208,7 @@ impl HostDriver {
                 events: HashMap::new(),
                 capturing: std::collections::HashSet::new(),
             }),
+            peers: crate::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -209,6 +261,13 @@ impl HostDriver {
     /// Live mappings.
     pub fn mapping_count(&self) -> usize {
         self.lock().mappings.len()
+    }
+
+    /// Whether peer device `peer` was granted access to all of `[va, va + len)` (and it is
+    /// still mapped).
+    pub fn peer_can_access(&self, peer: i32, va: DevicePtr, len: u64) -> bool {
+        let st = self.lock();
+        st.peer_accessible.get(&peer).is_some_and(|spans| covers(spans, va, va + len))
     }
 
     fn check_aligned(&self, call: CallKind, va: DevicePtr, size: usize) -> DriverResult<u64> {
@@ -313,44 +372,24 @@ impl State {
         Ok(())
     }
 
-    fn add_accessible(&mut self, mut start: u64, mut end: u64) {
-        if let Some((&s, &e)) = self.accessible.range(..=start).next_back() {
-            if e >= start {
-                self.accessible.remove(&s);
-                start = s;
-                end = end.max(e);
-            }
+    /// Makes `[start, end)` accessible to this device and to `peers`.
+    fn add_accessible(&mut self, start: u64, end: u64, peers: &[i32]) {
+        add_span(&mut self.accessible, start, end);
+        for p in peers {
+            add_span(self.peer_accessible.entry(*p).or_default(), start, end);
         }
-        let inside: Vec<(u64, u64)> =
-            self.accessible.range(start..=end).map(|(&s, &e)| (s, e)).collect();
-        for (s, e) in inside {
-            self.accessible.remove(&s);
-            end = end.max(e);
-        }
-        self.accessible.insert(start, end);
     }
 
+    /// Makes `[start, end)` accessible to no device (it is being unmapped).
     fn remove_accessible(&mut self, start: u64, end: u64) {
-        if let Some((&s, &e)) = self.accessible.range(..start).next_back() {
-            if e > start {
-                self.accessible.insert(s, start);
-                if e > end {
-                    self.accessible.insert(end, e);
-                }
-            }
-        }
-        let inside: Vec<(u64, u64)> =
-            self.accessible.range(start..end).map(|(&s, &e)| (s, e)).collect();
-        for (s, e) in inside {
-            self.accessible.remove(&s);
-            if e > end {
-                self.accessible.insert(end, e);
-            }
+        remove_span(&mut self.accessible, start, end);
+        for spans in self.peer_accessible.values_mut() {
+            remove_span(spans, start, end);
         }
     }
 
     fn is_accessible(&self, start: u64, end: u64) -> bool {
-        matches!(self.accessible.range(..=start).next_back(), Some((_, &e)) if e >= end)
+        covers(&self.accessible, start, end)
     }
 
     /// Checks that `[addr, addr + len)` may be copied to or from.
@@ -603,6 +642,7 @@ impl Driver for HostDriver {
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         let call = CallKind::SetAccess;
         let end = self.check_aligned(call, va, size)?;
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut st = self.lock();
         if let Err(hole) = st.covered(va, end) {
             return Err(err(
@@ -615,7 +655,22 @@ impl Driver for HostDriver {
         // widening their protection invalidates no reference.
         unsafe { sys::protect_rw(va, size as u64) }
             .map_err(|e| os_err(call, "set_access: mprotect", e))?;
-        st.add_accessible(va, end);
+        st.add_accessible(va, end, &peers);
+        Ok(())
+    }
+
+    fn set_peers(&self, peers: &[i32]) -> DriverResult<()> {
+        if let Some(&bad) = peers.iter().find(|&&p| p == 0 || !(0..HOST_DEVICES).contains(&p)) {
+            return Err(err(
+                CallKind::PeerAccess,
+                code::INVALID_VALUE,
+                format!(
+                    "device {bad} cannot be a peer of the host backend's device 0: it models \
+                     devices 0..{HOST_DEVICES}, and a device is not its own peer"
+                ),
+            ));
+        }
+        *self.peers.lock().unwrap_or_else(|e| e.into_inner()) = peers.to_vec();
         Ok(())
     }
 

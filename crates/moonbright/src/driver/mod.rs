@@ -80,11 +80,13 @@ pub enum CallKind {
     EventSynchronize,
     /// `cuStreamIsCapturing`.
     StreamIsCapturing,
+    /// `cuDeviceCanAccessPeer`, checking a peer for [`Driver::set_peers`].
+    PeerAccess,
 }
 
 impl CallKind {
     /// Every kind, in counter order.
-    pub const ALL: [CallKind; 17] = [
+    pub const ALL: [CallKind; 18] = [
         CallKind::MemInfo,
         CallKind::Reserve,
         CallKind::FreeReservation,
@@ -102,6 +104,7 @@ impl CallKind {
         CallKind::EventDestroy,
         CallKind::EventSynchronize,
         CallKind::StreamIsCapturing,
+        CallKind::PeerAccess,
     ];
 
     /// The driver function this kind stands for.
@@ -124,6 +127,7 @@ impl CallKind {
             CallKind::EventDestroy => "cuEventDestroy",
             CallKind::EventSynchronize => "cuEventSynchronize",
             CallKind::StreamIsCapturing => "cuStreamIsCapturing",
+            CallKind::PeerAccess => "cuDeviceCanAccessPeer",
         }
     }
 
@@ -147,6 +151,7 @@ impl CallKind {
             CallKind::EventDestroy => "event_destroy",
             CallKind::EventSynchronize => "event_synchronize",
             CallKind::StreamIsCapturing => "stream_is_capturing",
+            CallKind::PeerAccess => "peer_access",
         }
     }
 }
@@ -229,8 +234,18 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()>;
     /// Maps the whole of `handle` (of `size` bytes) at `va`.
     fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()>;
-    /// Makes `[va, va + size)`, which must be mapped, readable and writable by the device.
+    /// Makes `[va, va + size)`, which must be mapped, readable and writable by the device and
+    /// by its peers (`set_peers`).
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()>;
+    /// Sets the other devices that later `set_access` calls grant access to, beside this one
+    /// (kernels and copies on a peer then reach this device's memory directly). Fails, leaving
+    /// the list as it was, if a device cannot access this one peer to peer.
+    fn set_peers(&self, peers: &[i32]) -> DriverResult<()>;
+    /// Makes this device the calling thread's for good (MoonBright's own threads), so its calls
+    /// need not switch contexts. Callers' threads are left as they are.
+    fn bind_thread(&self) -> DriverResult<()> {
+        Ok(())
+    }
     /// Unmaps `[va, va + size)`, which must consist of whole mappings.
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()>;
     /// Copies host bytes to accessible device memory (synchronous; for tests and tools).
@@ -475,6 +490,13 @@ impl<D: Driver> Driver for Instrumented<D> {
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
         self.enter(CallKind::Unmap)?;
         self.timed(CallKind::Unmap, || self.inner.unmap(va, size))
+    }
+    fn set_peers(&self, peers: &[i32]) -> DriverResult<()> {
+        self.enter(CallKind::PeerAccess)?;
+        self.inner.set_peers(peers)
+    }
+    fn bind_thread(&self) -> DriverResult<()> {
+        self.inner.bind_thread()
     }
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
         self.enter(CallKind::Copy)?;

@@ -49,6 +49,7 @@ impl Shared {
                     return Ok(());
                 }
                 Resize::Map(plan) => {
+                    let _mapping = self.mapping_scope();
                     let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
                     let r = heap.commit_grow(ptr, len, plan, ex);

@@ -477,3 +477,30 @@ fn a_free_joined_with_a_busy_stream_beside_the_worker() {
         finish(&a, &[(p, 2 * PAGE, 2), (q, 2 * PAGE, 3)]);
     });
 }
+
+/// A peer enabled while a request maps a new range and the worker's pass refills the window:
+/// whichever way they interleave, the request's range and the window's pages reach the peer
+/// (the plan in flight either finishes before the enable grants access to what is mapped, or
+/// runs after it, naming the peer itself). Fails if maps do not hold `Shared::peers`.
+#[test]
+fn a_peer_enabled_while_a_request_and_the_window_map() {
+    model_bounded(3, || {
+        let a = with_window(6, 2, 2);
+        let r = request(&a, 3 * PAGE, None, 1);
+        let w = worker_passes(&a, 2);
+        a.enable_peer_access(1).unwrap();
+        let p = r.join().unwrap();
+        w.join().unwrap();
+        let host = a.driver().inner().as_host().expect("host backend");
+        assert!(host.peer_can_access(1, p, 3 * PAGE as u64), "a range mapped beside the enable");
+        let window = a.stats().window_bytes.current;
+        if window > 0 {
+            let hits = a.stats().window_hits;
+            let q = a.malloc(PAGE).unwrap();
+            assert_eq!(a.stats().window_hits, hits + 1);
+            assert!(host.peer_can_access(1, q, PAGE as u64), "a window page mapped beside it");
+            a.free(q).unwrap();
+        }
+        finish(&a, &[(p, 3 * PAGE, 1)]);
+    });
+}

@@ -15,7 +15,7 @@ use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
 use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use crate::sync::{pause, Condvar, Mutex, MutexGuard};
+use crate::sync::{pause, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 /// How long a request waits for other threads' unmaps or plans in flight before giving up.
 const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -65,6 +65,11 @@ pub(crate) struct Shared {
     /// Requests running a map plan now. The driver serialises VMM calls, so an unmap batch lets
     /// them go first between its calls (`give_way`) rather than make them wait for all of it.
     requests_mapping: AtomicUsize,
+    /// The peer devices granted access to this device's memory. Every map plan holds it for
+    /// reading from its execution to its commit, and every unmap batch from its calls to its
+    /// commit; `enable_peer_access` holds it for writing, so that no mapping is in flight while
+    /// it grants the new peer access to every span the heap has mapped.
+    peers: RwLock<Vec<i32>>,
 }
 
 impl Shared {
@@ -77,7 +82,43 @@ impl Shared {
             stop: AtomicBool::new(false),
             options,
             requests_mapping: AtomicUsize::new(0),
+            peers: RwLock::new(Vec::new()),
         }
+    }
+
+    /// Holds off `enable_peer_access` while a mapping or unmapping runs (see `peers`).
+    pub(crate) fn mapping_scope(&self) -> RwLockReadGuard<'_, Vec<i32>> {
+        self.peers.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The peers granted access so far.
+    pub fn peers(&self) -> Vec<i32> {
+        self.mapping_scope().clone()
+    }
+
+    /// Grants device `peer` access to all of this device's memory, mapped now and later: every
+    /// later `set_access` names it, and every span mapped now is given access again with it.
+    /// While it runs, requests that must map wait (cache and window hits do not). On a failure
+    /// the peer is not added (spans already granted keep their access, which is harmless).
+    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        if peers.contains(&peer) {
+            return Ok(());
+        }
+        let old = peers.clone();
+        let mut new = old.clone();
+        new.push(peer);
+        self.driver.set_peers(&new)?;
+        let spans = self.heap().mapped_spans();
+        for (va, len) in spans {
+            if let Err(e) = self.driver.set_access(va, len as usize) {
+                // Leaves the list as it was; `set_peers` accepted it a moment ago.
+                let _ = self.driver.set_peers(&old);
+                return Err(e.into());
+            }
+        }
+        *peers = new;
+        Ok(())
     }
 
     /// Runs a request's own map plan (not the window's), counted in `requests_mapping`.
@@ -281,6 +322,7 @@ impl Shared {
             let step = self.heap().plan_range(pages, requested, stream);
             match step {
                 Step::Map(plan) => {
+                    let _mapping = self.mapping_scope();
                     let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
                     heap.note_request_map(&plan);
@@ -450,6 +492,7 @@ impl Shared {
     /// if asked (never when a request flushes for itself). Returns whether there was anything
     /// to unmap.
     fn flush_only(&self, only: Option<crate::core::pool::ChunkId>, yields: bool) -> Result<bool> {
+        let mapping = self.mapping_scope();
         let runs = self.heap().take_unmap_batch(only);
         if runs.is_empty() {
             return Ok(false);
@@ -463,6 +506,7 @@ impl Shared {
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
         drop(heap);
+        drop(mapping);
         self.free_dead_growables();
         let mut heap = self.heap();
         match error {

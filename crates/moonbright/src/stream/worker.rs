@@ -133,6 +133,7 @@ impl Worker {
             }
             Some(Step::Map(plan)) => plan,
         };
+        let _mapping = shared.mapping_scope();
         let ex = execute(&shared.driver, &plan);
         let mut heap = shared.heap();
         if let Err(crate::Error::Driver(e)) = heap.commit_window(plan, ex) {
@@ -144,6 +145,9 @@ impl Worker {
 
 /// The worker's loop; returns when `shared.stop` is set.
 pub(crate) fn run(shared: Arc<Shared>) {
+    // The worker's thread is MoonBright's: its calls need not switch contexts each time. A
+    // failure leaves each call to switch for itself.
+    let _ = shared.driver.bind_thread();
     let mut worker = Worker::new(&shared);
     while !shared.stop.load(Ordering::Acquire) {
         let sleep = worker.tick(&shared);
