@@ -22,11 +22,17 @@ Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB
 PyTorch: see :mod:`moonbright.torch` (``moonbright.torch.enable()`` or
 ``moonbright.torch.pool()``).
 
-``device=None`` in these functions means the configured ``device`` (option ``device``, 0 by
-default), not PyTorch's current device, and a call for a device with no allocator yet creates
-one there (and a CUDA context). In a process that works on another GPU, a
-``torch.distributed`` rank say, pass ``device=`` explicitly; under ``moonbright.torch.enable()``
-PyTorch's own ``torch.cuda.memory_stats()`` and the like use its current device.
+``device=None`` in these functions means the calling thread's current CUDA device (the one
+``torch.cuda.set_device`` selects, as ``torch.cuda.memory_stats()`` does), or, on a thread
+with no CUDA context yet, the configured ``device`` (option ``device``, 0 by default). A call
+for a device with no allocator yet creates one there.
+
+Several GPUs in one process: each GPU's allocator grants every other GPU the process allocates
+on access to its memory (:func:`enable_peer_access`), so copies between GPUs
+(``tensor.to("cuda:1")``) work as with ``cudaMalloc``'s memory; ``cudaDeviceEnablePeerAccess``,
+which PyTorch calls, does not reach virtual-memory mappings. A process on one GPU pays nothing
+for it; with several, each mapping sets access for each of them. MoonBright's calls leave each
+thread's current device as they find it.
 
 The C entry points ``moonbright_alloc(size, device, stream)`` and
 ``moonbright_free(ptr, size, device, stream)`` (PyTorch's CUDAPluggableAllocator signatures) are
@@ -51,6 +57,7 @@ from ._moonbright import (
     clear_last_error,
     configure,
     empty_cache,
+    enable_peer_access,
     is_initialized,
     last_error,
     memory_fraction,
@@ -58,6 +65,7 @@ from ._moonbright import (
     options,
     page_size,
     parse_conf,
+    peers,
     record_memory_history,
     record_stream,
     reset_peak_memory_stats,
@@ -78,6 +86,7 @@ __all__ = [
     "configure",
     "dump_snapshot",
     "empty_cache",
+    "enable_peer_access",
     "is_initialized",
     "last_error",
     "library_path",
@@ -88,6 +97,7 @@ __all__ = [
     "options",
     "page_size",
     "parse_conf",
+    "peers",
     "record_memory_history",
     "record_stream",
     "reset_peak_memory_stats",

@@ -296,3 +296,18 @@ def test_set_cap_and_memory_fraction():
         conf="backend:host,host_capacity:64MiB,host_page_size:64KiB",
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_enable_peer_access_on_the_host_backend(lib):
+    # The host backend is device 0 and models devices 0..8, all peers of it.
+    p = lib.moonbright_alloc(3 * PAGE, 0, None)
+    assert p
+    before = moonbright.peers()
+    moonbright.enable_peer_access(3)
+    moonbright.enable_peer_access(3)
+    assert moonbright.peers() == sorted(set(before + [3]))
+    with pytest.raises(RuntimeError, match="peer"):
+        moonbright.enable_peer_access(0)
+    assert moonbright.memory_stats()["moonbright.driver_calls.peer_access"] >= 2
+    moonbright.check_invariants()
+    lib.moonbright_free(p, 3 * PAGE, 0, None)

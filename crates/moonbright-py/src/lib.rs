@@ -16,7 +16,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use moonbright::conf;
 use moonbright::core::history::BlockState;
-use moonbright::{Allocator, CallKind, Error, Options, Stat, Stats, StreamHandle};
+use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
@@ -83,7 +83,31 @@ fn allocator(device: i32) -> Result<&'static Allocator, String> {
         a.record_history(Some(n));
     }
     let _ = ALLOCATORS[i].set(a);
-    Ok(ALLOCATORS[i].get().expect("just set"))
+    let a = ALLOCATORS[i].get().expect("just set");
+    peer_with_the_others(i, a);
+    Ok(a)
+}
+
+/// Makes a new allocator's GPU and every other GPU this process allocates on peers both ways,
+/// so that copies between them (`tensor.to("cuda:1")`) and kernels reading a peer's memory work
+/// as with `cudaMalloc`'s memory. A process on one GPU has no peers and pays nothing; with
+/// several, each later mapping sets access for each of them. A pair that cannot reach each
+/// other peer to peer is left alone (its message goes to `last_error`): the CUDA runtime copies
+/// between such GPUs through the host.
+fn peer_with_the_others(i: usize, a: &'static Allocator) {
+    if a.device().is_none() {
+        return;
+    }
+    for (j, other) in created().filter(|&(j, o)| j != i && o.device().is_some()) {
+        for (x, peer) in [(a, j as i32), (other, i as i32)] {
+            if let Err(e) = x.enable_peer_access(peer) {
+                set_last_error(
+                    format!("device {peer} cannot access device {:?}: {e}", x.device()),
+                    false,
+                );
+            }
+        }
+    }
 }
 
 fn created() -> impl Iterator<Item = (usize, &'static Allocator)> {
@@ -246,12 +270,21 @@ fn py_err(msg: impl Into<String>) -> PyErr {
     PyRuntimeError::new_err(msg.into())
 }
 
+/// The device a call with `device=None` means: the calling thread's current CUDA device (the
+/// device of its current context, which `torch.cuda.set_device` selects), else the configured
+/// one (device 0 unless `MOONBRIGHT_ALLOC_CONF` or `configure` says otherwise).
 fn default_device(device: Option<i32>) -> PyResult<i32> {
     if let Some(d) = device {
         return Ok(d);
     }
-    let cfg = lock(&CONFIG);
-    Ok(base_options(&cfg).map(|o| o.device).unwrap_or(0))
+    let opts = base_options(&lock(&CONFIG)).ok();
+    let host = opts.as_ref().is_some_and(|o| o.backend == BackendKind::Host);
+    if !host {
+        if let Some(d) = moonbright::driver::cuda::current_device() {
+            return Ok(d);
+        }
+    }
+    Ok(opts.map_or(0, |o| o.device))
 }
 
 fn get(device: Option<i32>) -> PyResult<&'static Allocator> {
@@ -603,6 +636,22 @@ fn memory_fraction(device: Option<i32>) -> PyResult<f64> {
     Ok(a.cap() as f64 / a.total_memory() as f64)
 }
 
+/// Grants GPU `peer` access to the memory of `device`'s allocator, mapped now and later (see
+/// `moonbright.enable_peer_access`). Raises RuntimeError when the two GPUs cannot reach each other
+/// peer to peer.
+#[pyfunction]
+#[pyo3(signature = (peer, device=None))]
+fn enable_peer_access(peer: i32, device: Option<i32>) -> PyResult<()> {
+    get(device)?.enable_peer_access(peer).map_err(|e| py_err(e.to_string()))
+}
+
+/// The GPUs granted access to the memory of `device`'s allocator.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn peers(device: Option<i32>) -> PyResult<Vec<i32>> {
+    Ok(get(device)?.peers())
+}
+
 /// The page size (mapping granularity) of `device`'s allocator.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -693,6 +742,8 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(cap, m)?)?;
     m.add_function(wrap_pyfunction!(page_size, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_peer_access, m)?)?;
+    m.add_function(wrap_pyfunction!(peers, m)?)?;
     m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(set_cap, m)?)?;
