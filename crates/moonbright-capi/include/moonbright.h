@@ -474,8 +474,8 @@ int mb_get_cap(struct mb_allocator *alloc, uint64_t *out_bytes);
  * allocations keep their memory, and the held memory serves requests but does not grow until
  * it is back under the cap.
  *
- * Returns `MB_ERR_INVALID_ARGUMENT` for a cap below one page (nothing changes), and
- * `MB_ERR_DRIVER` when releasing unused memory fails (the cap is set).
+ * A cap below one page is 0: every request fails with `MB_ERR_TOO_LARGE` until it is raised.
+ * Returns `MB_ERR_DRIVER` when releasing unused memory fails (the cap is set).
  *
  * # Safety
  * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.

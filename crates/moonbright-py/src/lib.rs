@@ -604,8 +604,9 @@ fn cap(device: Option<i32>) -> PyResult<u64> {
 /// Sets the cap on physical bytes `device`'s allocator may hold (rounded down to a page,
 /// limited to the device's memory) and returns it. Lowering it below what is held gives back
 /// every page no allocation uses; past that, live allocations keep their memory, and what is
-/// held serves requests but does not grow until it is back under the cap. Raises ValueError
-/// for a cap below one page (nothing changes), RuntimeError if the release fails.
+/// held serves requests but does not grow until it is back under the cap. A cap below one page
+/// is 0: every request fails until it is raised (PyTorch's memory fraction 0). Raises
+/// RuntimeError if the release fails.
 #[pyfunction]
 #[pyo3(signature = (bytes, device=None))]
 fn set_cap(bytes: u64, device: Option<i32>) -> PyResult<u64> {

@@ -370,17 +370,11 @@ impl Allocator {
     /// allocator). Returns the cap set. Lowering it below what is held releases every page no
     /// allocation uses (as `release_unused`; if that fails, the cap is set and the error
     /// returned). Past that, live allocations keep their memory, and what is held serves
-    /// requests but does not grow until it is back under the cap. A cap below one page is
-    /// refused and changes nothing.
+    /// requests but does not grow until it is back under the cap. A cap below one page is 0:
+    /// every request fails until it is raised (PyTorch's memory fraction 0).
     pub fn set_cap(&self, bytes: u64) -> Result<u64> {
         let page = self.page_size() as u64;
         let cap = bytes.min(self.total_memory) / page * page;
-        if cap < page {
-            return Err(Error::InvalidOption {
-                name: "cap",
-                reason: format!("{bytes} bytes is less than one page of {page} bytes"),
-            });
-        }
         let over = {
             let mut heap = self.shared.heap();
             heap.set_cap(cap);

@@ -131,7 +131,7 @@ fn oom_and_recovery(a: &Allocator) {
 
 /// `set_cap` (PyTorch's `set_per_process_memory_fraction`): lowering the cap below what is held
 /// gives back what no allocation uses and stops growth at the new cap, with live allocations
-/// untouched; raising it lets growth go on; a cap below a page is refused and changes nothing.
+/// untouched; raising it lets growth go on; a cap below a page is 0, and serves nothing.
 fn set_cap_limits_growth(a: &Allocator) {
     let page = a.page_size();
     let old = a.cap();
@@ -163,9 +163,11 @@ fn set_cap_limits_growth(a: &Allocator) {
     let fits = a.malloc(2 * page).unwrap();
     a.check_invariants().unwrap();
 
-    let e = a.set_cap(page as u64 - 1).unwrap_err();
-    assert!(matches!(e, Error::InvalidOption { name: "cap", .. }), "{e}");
-    assert_eq!(a.cap(), 6 * page as u64, "a refused cap changed the cap");
+    assert_eq!(a.set_cap(page as u64 - 1).unwrap(), 0, "below a page is 0");
+    let e = a.malloc(1).unwrap_err();
+    assert!(matches!(e, Error::TooLarge { cap: 0, .. }), "{e}");
+    assert!(verify(a, keep, 4 * page, 1).unwrap());
+    a.check_invariants().unwrap();
     assert_eq!(a.set_cap(old).unwrap(), old);
     let more = a.malloc(3 * page).unwrap();
     a.check_invariants().unwrap();
