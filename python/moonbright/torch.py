@@ -29,9 +29,12 @@ under ``moonbright.`` in :func:`moonbright.memory_stats`.
 ``Tensor.record_stream(s)`` works as with PyTorch's own allocator: the tensor's memory is reused
 by no stream until the work queued on ``s`` before its free has completed (:func:`enable` routes
 it to :func:`moonbright.record_stream`; PyTorch's pluggable allocator alone drops it). C++ code
-that records streams itself is not seen: with ``torch.distributed``'s NCCL backend, set
-``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` so that it keeps the tensors of asynchronous collectives
-alive until they complete instead.
+that records streams itself is not seen; ``torch.distributed``'s NCCL backend no longer does
+(since PyTorch 2.7 it keeps the tensors of asynchronous collectives alive until they complete).
+
+Several GPUs in one process work: each GPU's allocator grants the others access to its memory
+(copies between GPUs need it), and MoonBright's calls leave each thread's current device as
+PyTorch set it.
 
 Out of memory raises ``torch.OutOfMemoryError`` with MoonBright's message (what was asked, what
 is allocated, reserved and free, and the cap), and the process goes on: free tensors and

@@ -239,3 +239,49 @@ def test_nccl_collectives_whose_inputs_are_freed_before_they_run(tmp_path):
     premise = run_nccl(tmp_path, "moonbright", "premise")
     assert not premise["rank0"]["all_gather_ok"], premise
     assert not premise["rank1"]["send_ok"], premise
+
+
+HF_SPLIT = """
+import json, sys, tempfile, torch
+if MODE == "moonbright":
+    import moonbright, moonbright.torch
+    moonbright.torch.enable()
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                  attn_implementation="eager")
+path = tempfile.mkdtemp()
+LlamaForCausalLM(cfg).save_pretrained(path)
+# What device_map="auto" does on a model too large for one GPU: layers 0-1 on GPU 0, the rest
+# on GPU 1, activations copied between them by accelerate's hooks.
+device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+              "model.layers.1": 0, "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1,
+              "lm_head": 1}
+model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map, dtype=torch.float32)
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, 1000, (2, 24), generator=g).to("cuda:0")
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+res = {"generated": out.tolist(), "devices": sorted({str(p.device) for p in model.parameters()})}
+if MODE == "moonbright":
+    res["mb_peak"] = [moonbright.memory_stats(d)["allocated_bytes.all.peak"] for d in (0, 1)]
+print(json.dumps(res))
+"""
+
+
+def test_a_transformers_model_split_over_two_gpus_generates_as_under_pytorch():
+    """A Llama model loaded with a device map over two GPUs (what device_map="auto" gives a
+    model too large for one; accelerate's hooks copy activations between them) generates the
+    same tokens under MoonBright as under PyTorch's allocator."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ref = run("MODE = 'default'\n" + HF_SPLIT)
+    got = run("MODE = 'moonbright'\n" + HF_SPLIT)
+    assert got["devices"] == ["cuda:0", "cuda:1"], got
+    assert got["generated"] == ref["generated"], (got, ref)
+    assert all(p > 0 for p in got["mb_peak"]), got
