@@ -285,3 +285,32 @@ def test_a_transformers_model_split_over_two_gpus_generates_as_under_pytorch():
     assert got["devices"] == ["cuda:0", "cuda:1"], got
     assert got["generated"] == ref["generated"], (got, ref)
     assert all(p > 0 for p in got["mb_peak"]), got
+
+
+def test_a_paged_pool_on_the_other_gpu_leaves_the_current_device_alone():
+    """A paged KV pool on GPU 1, driven from a thread whose current device is GPU 0: its table
+    kernels run on GPU 1 (under its context for the call only), its tables read back right, and
+    PyTorch's current device stays GPU 0."""
+    out = run(
+        """
+        import json, torch, moonbright.torch
+        from moonbright.paged import PagedKVPool
+        moonbright.torch.enable()
+        torch.cuda.set_device(0)
+        s1 = torch.cuda.Stream(device=1)
+        pool = PagedKVPool(16, 256, 64, 8, 8, stream=s1.cuda_stream, device=1)
+        seqs = pool.add_many([5, 40, 17])
+        pool.commit()
+        after_commit = torch.cuda.current_device()
+        s1.synchronize()
+        lens = pool.seq_lens.cpu().tolist()
+        rows = [pool.row(s) for s in seqs]
+        pool.check_invariants()
+        print(json.dumps({"after_commit": after_commit, "end": torch.cuda.current_device(),
+                          "lens": [lens[r] for r in rows], "table_device": str(pool.block_table.device),
+                          "on_device": pool._pool.on_device()}))
+        """
+    )
+    assert out["after_commit"] == 0 and out["end"] == 0, out
+    assert out["lens"] == [5, 40, 17], out
+    assert out["table_device"] == "cuda:1" and out["on_device"], out

@@ -183,8 +183,10 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 #[derive(Clone, Copy, Debug)]
 struct PrimaryContext(sys::CUcontext);
 
-/// The context [`CudaDriver::enter`] pushed for one call, popped when the scope ends.
-struct CtxScope {
+/// The context [`CudaDriver::enter`] (or [`CudaDriver::context_scope`]) pushed, popped when the
+/// scope ends.
+#[must_use = "the context is popped when the scope is dropped"]
+pub struct CtxScope {
     pushed: bool,
 }
 
@@ -375,9 +377,9 @@ impl CudaDriver {
         self.ctx.0
     }
 
-    /// Makes the device's primary context current on the calling thread, and leaves it so, for
-    /// callers that make context-bound calls of their own (the paged pool's kernel launches) and
-    /// for MoonBright's own threads. Cheap when it is current already.
+    /// Makes the device's primary context current on the calling thread, and leaves it so: for
+    /// MoonBright's own threads (the worker) and callers that want it so. Cheap when it is
+    /// current already. A user's thread wants [`CudaDriver::context_scope`] instead.
     pub fn bind_context(&self) -> DriverResult<()> {
         let kind = CallKind::MemInfo;
         if current_context(kind)? == self.ctx.0 {
@@ -387,6 +389,13 @@ impl CudaDriver {
         // SAFETY: `ctx` is the primary context retained by `new` and not yet released.
         let r = unsafe { sys::cuCtxSetCurrent(ctx) };
         check(kind, r, || format!("cuCtxSetCurrent(ctx={ctx:p})"))
+    }
+
+    /// Makes the device's primary context current until the returned scope is dropped, then
+    /// restores the thread's own (as every MoonBright call does): for callers that make
+    /// context-bound calls of their own on a user's thread, such as the paged pool's launches.
+    pub fn context_scope(&self) -> DriverResult<CtxScope> {
+        self.enter(CallKind::MemInfo)
     }
 
     /// Runs the rest of a call under this device's primary context, and leaves the calling

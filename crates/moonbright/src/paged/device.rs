@@ -91,7 +91,7 @@ fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
     if !missing.is_empty() {
         return Err(format!("libcuda lacks {missing:?}"));
     }
-    d.bind_context().map_err(|e| e.to_string())?;
+    let _ctx = d.context_scope().map_err(|e| e.to_string())?;
     let key = d.context() as usize;
     let mut cache = MODULES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, k)) = cache.iter().find(|(c, _)| *c == key) {
@@ -334,7 +334,8 @@ impl DeviceTables {
         if n_ops == 0 && n_copies == 0 && tokens == 0 {
             return Ok(());
         }
-        self.driver().bind_context().map_err(|e| e.to_string())?;
+        // The caller's thread keeps its own current context (a PyTorch user's current device).
+        let _ctx = self.driver().context_scope().map_err(|e| e.to_string())?;
         let ops_bytes = align16(n_ops * std::mem::size_of::<TableOp>());
         let copies_bytes = align16(n_copies * std::mem::size_of::<PageCopy>());
         let runs_bytes = n_runs * std::mem::size_of::<TokenRun>();
@@ -410,6 +411,7 @@ impl DeviceTables {
 
     /// Waits for the staging buffers' last kernels and frees them (the pool is going away).
     pub(crate) fn release(&mut self) {
+        let _ctx = self.driver().context_scope();
         let filling = self.filling;
         if self.retire_filling().is_err() {
             // No event behind its kernels: leak the buffer rather than free it under them.
