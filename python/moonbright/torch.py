@@ -61,7 +61,11 @@ threads may allocate while it runs. Allocating inside a capture is refused (the 
 be baked into the graph while MoonBright could reuse the memory): in global mode with
 MoonBright's message, and in pool mode (``torch.cuda.graph(g, pool=pool.id)``) as PyTorch's
 out-of-memory error, with MoonBright's reason printed to stderr. Graph-private pools need
-PyTorch's capture hooks, which its pluggable-allocator interface offers only to C++.
+PyTorch's capture hooks, which its pluggable-allocator interface offers only to C++. For the
+same reason ``torch.compile(mode="reduce-overhead")``, whose CUDA-graph trees call the allocator's
+``checkPoolLiveAllocations``, fails under :func:`enable` with PyTorch's "pluggable does not yet
+support checkPoolLiveAllocations"; the other modes (``"default"``,
+``"max-autotune-no-cudagraphs"``) work.
 """
 
 from __future__ import annotations
