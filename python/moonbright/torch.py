@@ -64,8 +64,8 @@ out-of-memory error, with MoonBright's reason printed to stderr. Graph-private p
 PyTorch's capture hooks, which its pluggable-allocator interface offers only to C++. For the
 same reason ``torch.compile(mode="reduce-overhead")``, whose CUDA-graph trees call the allocator's
 ``checkPoolLiveAllocations``, fails under :func:`enable` with PyTorch's "pluggable does not yet
-support checkPoolLiveAllocations"; the other modes (``"default"``,
-``"max-autotune-no-cudagraphs"``) work.
+support checkPoolLiveAllocations"; modes ``"default"`` and ``"max-autotune-no-cudagraphs"``
+ran under it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-# torch.compile(mode="reduce-overhead") (CUDA graphs via cudagraph trees) under MoonBright's
-# global mode: does it run, fall back, or fail? Prints one JSON line.
+# torch.compile under MoonBright's global mode, in the mode given (default reduce-overhead: CUDA
+# graphs via cudagraph trees): does it run, fall back, or fail? Prints one JSON line.
 import json, sys, traceback, warnings
 import torch
 mode = sys.argv[1]
+cmode = sys.argv[2] if len(sys.argv) > 2 else "reduce-overhead"
 if mode == "moonbright":
     import moonbright, moonbright.torch
     moonbright.torch.enable()
@@ -10,11 +11,11 @@ def f(x, w):
     return torch.relu(x @ w).sum(dim=0) * 2 + 1
 x = torch.randn(256, 256, device="cuda"); w = torch.randn(256, 256, device="cuda")
 ref = f(x, w)
-out = {"mode": mode}
+out = {"mode": mode, "compile_mode": cmode}
 try:
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter("always")
-        cf = torch.compile(f, mode="reduce-overhead")
+        cf = torch.compile(f, mode=cmode)
         ys = [cf(x, w).clone() for _ in range(4)]
         torch.cuda.synchronize()
     out["ok"] = all(torch.allclose(y, ref, rtol=1e-3, atol=1e-3) for y in ys)
