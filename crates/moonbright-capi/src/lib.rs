@@ -632,7 +632,8 @@ pub unsafe extern "C" fn mb_set_cap(
 /// Grants device `peer` access to all of this allocator's memory, mapped now and later, so that
 /// kernels and copies on `peer` reach it directly: needed for copies between GPUs in one process,
 /// since `cudaDeviceEnablePeerAccess` does not cover virtual-memory mappings. Enabling a peer
-/// twice, or the allocator's own device, does nothing. Each later mapping's set access names
+/// twice, or a CUDA allocator's own device, does nothing (the host backend, device 0 of 8
+/// modelled devices, refuses 0 as a peer). Each later mapping's set access names
 /// every peer, and costs more for it; enable only the devices that use this memory.
 ///
 /// Returns `MB_ERR_DRIVER` when `peer` cannot reach this device peer to peer or a driver call

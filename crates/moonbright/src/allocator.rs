@@ -389,8 +389,9 @@ impl Allocator {
     /// Grants device `peer` access to this allocator's memory, mapped now and later, so that
     /// kernels and copies on `peer` reach it directly (what `cudaDeviceEnablePeerAccess` does for
     /// `cudaMalloc` memory, and does not do for virtual-memory mappings). Each mapping's set
-    /// access then names the peer too. Enabling a peer twice, or this allocator's own device,
-    /// does nothing. A device that cannot reach this one peer to peer is refused
+    /// access then names the peer too. Enabling a peer twice, or a CUDA allocator's own device,
+    /// does nothing (the host backend models devices 0..8, is device 0, and refuses 0 as a
+    /// peer). A device that cannot reach this one peer to peer is refused
     /// ([`CallKind::PeerAccess`](crate::CallKind::PeerAccess)), and so is any failure, with no
     /// peer added; allocations keep working. Requests that must map wait while it runs.
     pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
