@@ -17,6 +17,7 @@ One allocator per CUDA device, process-wide, created at first use from the envir
 Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB GiB KB MB GB:
 ``cap:12GiB``), ``cap_fraction``, ``host_page_size``, ``host_capacity``, ``max_chunk``,
 ``large_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
+``peer_access`` (true|false),
 ``validate`` (true|false).
 
 PyTorch: see :mod:`moonbright.torch` (``moonbright.torch.enable()`` or
@@ -31,8 +32,9 @@ Several GPUs in one process: each GPU's allocator grants every other GPU the pro
 on access to its memory (:func:`enable_peer_access`), so copies between GPUs
 (``tensor.to("cuda:1")``) work as with ``cudaMalloc``'s memory; ``cudaDeviceEnablePeerAccess``,
 which PyTorch calls, does not reach virtual-memory mappings. A process on one GPU pays nothing
-for it; with several, each mapping sets access for each of them. MoonBright's calls leave each
-thread's current device as they find it.
+for it; with several, each mapping sets access for each of them (``peer_access:false`` turns it
+off, and copies between the GPUs then fail). MoonBright's calls leave each thread's current
+device as they find it.
 
 The C entry points ``moonbright_alloc(size, device, stream)`` and
 ``moonbright_free(ptr, size, device, stream)`` (PyTorch's CUDAPluggableAllocator signatures) are

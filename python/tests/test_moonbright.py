@@ -48,6 +48,8 @@ def test_parse_conf_values_and_errors():
     assert moonbright.parse_conf("unmap_run_handles:0")["unmap_run_handles"] == 0
     assert o["reuse_addresses"] is True
     assert moonbright.parse_conf("reuse_addresses:false")["reuse_addresses"] is False
+    assert o["peer_access"] is True
+    assert moonbright.parse_conf("peer_access:off")["peer_access"] is False
     with pytest.raises(ValueError, match="cap_fraction") as e:
         moonbright.parse_conf("cap_fraction:2")
     assert "(0, 1]" in str(e.value)

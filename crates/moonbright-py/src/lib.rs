@@ -93,9 +93,11 @@ fn allocator(device: i32) -> Result<&'static Allocator, String> {
 /// as with `cudaMalloc`'s memory. A process on one GPU has no peers and pays nothing; with
 /// several, each later mapping sets access for each of them. A pair that cannot reach each
 /// other peer to peer is left alone (its message goes to `last_error`): the CUDA runtime copies
-/// between such GPUs through the host.
+/// between such GPUs through the host. Option `peer_access:false` turns this off for the
+/// allocators that have it.
 fn peer_with_the_others(i: usize, a: &'static Allocator) {
-    if a.device().is_none() {
+    // All of them are made from the same options (`configure`, `MOONBRIGHT_ALLOC_CONF`).
+    if a.device().is_none() || !a.options().peer_access {
         return;
     }
     for (j, other) in created().filter(|&(j, o)| j != i && o.device().is_some()) {
@@ -358,6 +360,7 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     d.set_item("unmap_batch_bytes", o.unmap_batch_bytes)?;
     d.set_item("unmap_run_handles", o.unmap_run_handles)?;
     d.set_item("reuse_addresses", o.reuse_addresses)?;
+    d.set_item("peer_access", o.peer_access)?;
     d.set_item("validate", o.validate)?;
     Ok(d.unbind())
 }

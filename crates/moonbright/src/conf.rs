@@ -39,6 +39,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("prefetch_window_max", "bytes the background mapper keeps mapped at most; 0 turns it off"),
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
+    ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("validate", "true or false"),
 ];
 
@@ -181,6 +182,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             opts.window_refill_pages = n;
         }
         "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
         _ => unreachable!("every key in KEYS is handled"),
     }
@@ -348,5 +350,8 @@ mod tests {
         let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
         assert!(!o.reuse_addresses && Options::default().reuse_addresses);
         assert!(apply_pairs(Options::default(), [("reuse_addresses", "maybe")]).is_err());
+        let o = apply_pairs(Options::default(), [("peer_access", "off")]).unwrap();
+        assert!(!o.peer_access && Options::default().peer_access);
+        assert!(apply_pairs(Options::default(), [("peer_access", "2")]).is_err());
     }
 }

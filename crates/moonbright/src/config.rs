@@ -84,6 +84,11 @@ pub struct Options {
     /// recycled ones kept a TLB-bound kernel beside the allocation churn at 1.00x instead of
     /// 1.05x (README, interference).
     pub reuse_addresses: bool,
+    /// For a process that keeps one allocator per GPU (the Python package): whether each GPU's
+    /// allocator grants the other GPUs it allocates on access to its memory (copies between
+    /// GPUs need it; each peer makes every new mapping's set access cost more). An `Allocator`
+    /// alone grants no peer unless asked (`Allocator::enable_peer_access`).
+    pub peer_access: bool,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,
     /// Limit on all virtual reservations together, as a multiple of the device's total memory.
@@ -112,6 +117,7 @@ impl Default for Options {
             prefetch_window_max: GIB,
             window_refill_pages: 8,
             reuse_addresses: true,
+            peer_access: true,
             va_reserve_factor: 2,
             va_limit_factor: 16,
             validate: false,

@@ -314,3 +314,26 @@ def test_a_paged_pool_on_the_other_gpu_leaves_the_current_device_alone():
     assert out["after_commit"] == 0 and out["end"] == 0, out
     assert out["lens"] == [5, 40, 17], out
     assert out["table_device"] == "cuda:1" and out["on_device"], out
+
+
+def test_without_peer_access_copies_between_gpus_fail():
+    """The control of the peering: with `peer_access:false` no allocator grants the other GPU
+    access, and a copy between the GPUs fails as it did before peering existed (CUDA's
+    "invalid argument"); the same copy works with the default."""
+    code = """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        a = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
+        b = torch.empty(1, device="cuda:1")
+        try:
+            ok = bool((a.to("cuda:1").cpu() == a.cpu()).all())
+            err = ""
+        except Exception as e:
+            ok, err = False, str(e).splitlines()[0]
+        print(json.dumps({"ok": ok, "err": err, "peers": [moonbright.peers(d) for d in (0, 1)]}))
+        """
+    off = run(code, conf="peer_access:false")
+    assert off["peers"] == [[], []], off
+    assert not off["ok"] and "invalid argument" in off["err"], off
+    on = run(code)
+    assert on["ok"] and on["peers"] == [[1], [0]], on
