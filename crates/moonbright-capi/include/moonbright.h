@@ -423,6 +423,56 @@ int mb_free_async(struct mb_allocator *alloc, uint64_t ptr, void *stream);
 int mb_record_stream(struct mb_allocator *alloc, uint64_t ptr, void *stream);
 
 /**
+ * Makes the capture in progress on `stream` (begun with `cuStreamBeginCapture`) allocate into
+ * the graph pool `(pool_hi, pool_lo)`, a pair the caller picks: until
+ * `mb_end_graph_capture(stream)`, `mb_malloc_async` on a stream of that capture serves the
+ * request from the pool, and the memory stays the pool's (its frees give it back to the pool)
+ * until `mb_release_graph_pool` is called once for each capture begun into the pool. A block
+ * freed during the capture is reused in it only on the stream that freed it; after it, by
+ * later captures into the pool, whose graphs must then not run concurrently with this one's.
+ * `mb_free_async` of other memory on a stream of the capture is done at its end.
+ *
+ * Returns `MB_ERR_STREAM_CAPTURE` if `stream` is not being captured or its capture was begun
+ * already, `MB_ERR_DRIVER` if the capture query fails; nothing changes then.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_begin_graph_capture(struct mb_allocator *alloc,
+                           void *stream,
+                           uint64_t pool_hi,
+                           uint64_t pool_lo);
+
+/**
+ * Ends the capture begun on `stream` by `mb_begin_graph_capture`, after `cuStreamEndCapture`.
+ * Returns `MB_ERR_STREAM_CAPTURE` if none was begun there.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_end_graph_capture(struct mb_allocator *alloc, void *stream);
+
+/**
+ * Notes that a graph of pool `(pool_hi, pool_lo)` was launched on `stream`: the pool's memory
+ * is reused by nothing else before the work queued there at its release has completed. Once a
+ * stream is enough.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_graph_replayed(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t pool_lo, void *stream);
+
+/**
+ * One graph of pool `(pool_hi, pool_lo)` is destroyed. With the last, the pool's free memory
+ * goes back to other allocations, after the streams its graphs were launched on; its live
+ * blocks follow as they are freed. Returns `MB_ERR_STREAM_CAPTURE` for a pool with no graph.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_release_graph_pool(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t pool_lo);
+
+/**
  * Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
  *
  * Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed

@@ -211,7 +211,7 @@ fn status_of(e: &Error) -> c_int {
         | Error::NotGrowable { .. }
         | Error::Released { .. } => MB_ERR_INVALID_POINTER,
         Error::NoBackend(_) => MB_ERR_NO_BACKEND,
-        Error::StreamCapture { .. } => MB_ERR_STREAM_CAPTURE,
+        Error::StreamCapture { .. } | Error::GraphPool { .. } => MB_ERR_STREAM_CAPTURE,
         Error::Driver(_) => MB_ERR_DRIVER,
     }
 }
@@ -526,6 +526,91 @@ pub unsafe extern "C" fn mb_record_stream(
         let a = unsafe { allocator(alloc) }?;
         a.record_stream(ptr, StreamHandle(stream as u64))?;
         Ok(())
+    })
+}
+
+/// Makes the capture in progress on `stream` (begun with `cuStreamBeginCapture`) allocate into
+/// the graph pool `(pool_hi, pool_lo)`, a pair the caller picks: until
+/// `mb_end_graph_capture(stream)`, `mb_malloc_async` on a stream of that capture serves the
+/// request from the pool, and the memory stays the pool's (its frees give it back to the pool)
+/// until `mb_release_graph_pool` is called once for each capture begun into the pool. A block
+/// freed during the capture is reused in it only on the stream that freed it; after it, by
+/// later captures into the pool, whose graphs must then not run concurrently with this one's.
+/// `mb_free_async` of other memory on a stream of the capture is done at its end.
+///
+/// Returns `MB_ERR_STREAM_CAPTURE` if `stream` is not being captured or its capture was begun
+/// already, `MB_ERR_DRIVER` if the capture query fails; nothing changes then.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_begin_graph_capture(
+    alloc: *mut mb_allocator,
+    stream: *mut c_void,
+    pool_hi: u64,
+    pool_lo: u64,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        Ok(a.begin_graph_capture(StreamHandle(stream as u64), (pool_hi, pool_lo))?)
+    })
+}
+
+/// Ends the capture begun on `stream` by `mb_begin_graph_capture`, after `cuStreamEndCapture`.
+/// Returns `MB_ERR_STREAM_CAPTURE` if none was begun there.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_end_graph_capture(
+    alloc: *mut mb_allocator,
+    stream: *mut c_void,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        Ok(a.end_graph_capture(StreamHandle(stream as u64))?)
+    })
+}
+
+/// Notes that a graph of pool `(pool_hi, pool_lo)` was launched on `stream`: the pool's memory
+/// is reused by nothing else before the work queued there at its release has completed. Once a
+/// stream is enough.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_graph_replayed(
+    alloc: *mut mb_allocator,
+    pool_hi: u64,
+    pool_lo: u64,
+    stream: *mut c_void,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        a.graph_replayed((pool_hi, pool_lo), StreamHandle(stream as u64));
+        Ok(())
+    })
+}
+
+/// One graph of pool `(pool_hi, pool_lo)` is destroyed. With the last, the pool's free memory
+/// goes back to other allocations, after the streams its graphs were launched on; its live
+/// blocks follow as they are freed. Returns `MB_ERR_STREAM_CAPTURE` for a pool with no graph.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_release_graph_pool(
+    alloc: *mut mb_allocator,
+    pool_hi: u64,
+    pool_lo: u64,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        Ok(a.release_graph_pool((pool_hi, pool_lo))?)
     })
 }
 

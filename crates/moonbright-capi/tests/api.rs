@@ -482,3 +482,22 @@ fn growable_reserve_resize_info_release() {
         assert_eq!(mb_destroy(a), MB_OK);
     }
 }
+
+#[test]
+fn graph_pool_calls_that_match_no_capture_are_refused() {
+    // SAFETY: `a` is a live handle from `mb_create`, destroyed once; NULL where meant.
+    unsafe {
+        let a = create(&host_options());
+        let s = ptr::null_mut();
+        assert_eq!(mb_begin_graph_capture(a, s, 0, 1), MB_ERR_STREAM_CAPTURE);
+        assert!(last_error().contains("not being captured"), "{}", last_error());
+        assert_eq!(mb_end_graph_capture(a, s), MB_ERR_STREAM_CAPTURE);
+        assert_eq!(mb_release_graph_pool(a, 0, 1), MB_ERR_STREAM_CAPTURE);
+        assert_eq!(mb_graph_replayed(a, 0, 1, s), MB_OK);
+        assert_eq!(mb_begin_graph_capture(ptr::null_mut(), s, 0, 1), MB_ERR_INVALID_ARGUMENT);
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 100, &mut p), MB_OK, "the allocator still works");
+        assert_eq!(mb_free(a, p), MB_OK);
+        mb_destroy(a);
+    }
+}

@@ -690,6 +690,46 @@ fn record_stream(ptr: u64, stream: u64, device: Option<i32>, missing_ok: bool) -
     }
 }
 
+/// Makes the graph capture in progress on `stream` (a CUstream handle as an int) allocate into
+/// graph pool `pool` (a pair of ints, PyTorch's `CUDAGraph.pool()`), until
+/// `end_graph_capture(stream)`: what it allocates stays the pool's while a graph of the pool
+/// exists. `moonbright.torch.enable()` calls it from `torch.cuda.CUDAGraph.capture_begin`.
+#[pyfunction]
+#[pyo3(signature = (stream, pool, device=None))]
+fn begin_graph_capture(stream: u64, pool: (u64, u64), device: Option<i32>) -> PyResult<()> {
+    get(device)?.begin_graph_capture(StreamHandle(stream), pool).map_err(|e| py_err(e.to_string()))
+}
+
+/// Ends the capture begun on `stream` by `begin_graph_capture`, after the graph's capture ended.
+#[pyfunction]
+#[pyo3(signature = (stream, device=None))]
+fn end_graph_capture(stream: u64, device: Option<i32>) -> PyResult<()> {
+    get(device)?.end_graph_capture(StreamHandle(stream)).map_err(|e| py_err(e.to_string()))
+}
+
+/// Notes that a graph of `pool` was replayed on `stream`: the pool's memory goes back to other
+/// allocations only after the work queued there before its release.
+#[pyfunction]
+#[pyo3(signature = (pool, stream, device=None))]
+fn graph_replayed(pool: (u64, u64), stream: u64, device: Option<i32>) -> PyResult<()> {
+    get(device)?.graph_replayed(pool, StreamHandle(stream));
+    Ok(())
+}
+
+/// One graph of `pool` is gone; with the last, the pool's memory goes back to other allocations.
+#[pyfunction]
+#[pyo3(signature = (pool, device=None))]
+fn release_graph_pool(pool: (u64, u64), device: Option<i32>) -> PyResult<()> {
+    get(device)?.release_graph_pool(pool).map_err(|e| py_err(e.to_string()))
+}
+
+/// (blocks, bytes) that graph pools hold free for their graphs on `device`.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn graph_pool_free(device: Option<i32>) -> PyResult<(usize, u64)> {
+    Ok(get(device)?.graph_pool_free())
+}
+
 /// Copies bytes into device memory (synchronous; for tests).
 #[pyfunction]
 #[pyo3(signature = (ptr, data, device=None))]
@@ -750,6 +790,11 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(peers, m)?)?;
     m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(begin_graph_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(end_graph_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_replayed, m)?)?;
+    m.add_function(wrap_pyfunction!(release_graph_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_pool_free, m)?)?;
     m.add_function(wrap_pyfunction!(set_cap, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(memory_fraction, m)?)?;

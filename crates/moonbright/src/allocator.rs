@@ -135,6 +135,9 @@ impl Driver for Backend {
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
         self.as_dyn().is_capturing(stream)
     }
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
+        self.as_dyn().capture_id(stream)
+    }
 }
 
 /// The sizes of a growable allocation, in bytes.
@@ -384,6 +387,57 @@ impl Allocator {
             self.release_unused()?;
         }
         Ok(cap)
+    }
+
+    /// Makes the capture in progress on `stream` (begun with `cuStreamBeginCapture`, or
+    /// PyTorch's `CUDAGraph.capture_begin`) allocate into graph pool `pool`, as PyTorch's
+    /// `beginAllocateToPool`. Until [`end_graph_capture`](Self::end_graph_capture):
+    /// - `malloc_async` on a stream of that capture (`stream`, or one it forked) serves the
+    ///   request from the pool: a block it holds free that this capture may reuse, or new memory
+    ///   from the heap, with no driver call that would join the graph. The address is baked into
+    ///   the graph, so the block stays the pool's: its free (during the capture or after) gives
+    ///   it back to the pool, never to other allocations.
+    /// - A block freed during the capture is reused in it only by requests on the stream that
+    ///   freed it (where the graph orders them after the free); after the capture, by any later
+    ///   capture into the pool. Captures sharing a pool must not replay concurrently, as with
+    ///   PyTorch's shared pools.
+    /// - `free_async` of other memory on a stream of the capture is done when the capture ends
+    ///   (no event can be recorded on a capturing stream).
+    ///
+    /// A capture not begun into a pool is refused as before (`Error::StreamCapture`). Refused
+    /// with `Error::GraphPool` if `stream` is not being captured, or its capture was begun
+    /// already.
+    pub fn begin_graph_capture(&self, stream: StreamHandle, pool: (u64, u64)) -> Result<()> {
+        self.shared.begin_graph_capture(stream, pool)
+    }
+
+    /// Ends the capture begun on `stream` by [`begin_graph_capture`](Self::begin_graph_capture),
+    /// after the driver has ended it (`cuStreamEndCapture`): its pool's blocks freed during it
+    /// become reusable by later captures into the pool, and the frees it deferred are done.
+    pub fn end_graph_capture(&self, stream: StreamHandle) -> Result<()> {
+        self.shared.end_graph_capture(stream)
+    }
+
+    /// Notes that a graph of `pool` was launched on `stream` (`cuGraphLaunch`): when the pool is
+    /// released, its memory is reused by nothing before the work queued there has completed.
+    /// Call it for every stream a graph of the pool is launched on (once a stream is enough).
+    pub fn graph_replayed(&self, pool: (u64, u64), stream: StreamHandle) {
+        self.shared.graph_replayed(pool, stream)
+    }
+
+    /// One graph of `pool` is destroyed (PyTorch's `releasePool`). When no graph of the pool is
+    /// left, its free blocks go back to the heap, each ordered after the streams the graphs were
+    /// launched on; blocks still live go back as they are freed. A block whose handback would
+    /// record an event on a stream being captured waits for a later capture end, release or
+    /// `release_unused`.
+    pub fn release_graph_pool(&self, pool: (u64, u64)) -> Result<()> {
+        self.shared.release_graph_pool(pool)
+    }
+
+    /// Blocks and bytes graph pools hold free for their graphs (counted as allocated in
+    /// [`stats`](Self::stats): the graphs use them).
+    pub fn graph_pool_free(&self) -> (usize, u64) {
+        self.shared.graph_pool_free()
     }
 
     /// Grants device `peer` access to this allocator's memory, mapped now and later, so that

@@ -121,15 +121,24 @@ pub enum Error {
         /// The limit.
         limit: u64,
     },
-    /// A stream-ordered request on a stream being captured into a CUDA graph.
+    /// A stream-ordered request on a stream being captured into a CUDA graph, for a capture
+    /// that was not begun into a graph pool.
     #[error(
-        "stream {stream:#x} is being captured into a CUDA graph: MoonBright refuses to allocate or \
-         free on a capturing stream (the addresses would be baked into the graph while the memory \
-         could be reused); allocate before capture begins and free after the graph's last replay"
+        "stream {stream:#x} is being captured into a CUDA graph, and no graph pool was begun for \
+         this capture: MoonBright refuses to allocate or free on it (the addresses would be baked \
+         into the graph while the memory could be reused). Begin the capture into a pool \
+         (begin_graph_capture; moonbright.torch.enable() does it for torch.cuda.graph), or \
+         allocate before capture begins and free after the graph's last replay"
     )]
     StreamCapture {
         /// The stream.
         stream: u64,
+    },
+    /// A graph-pool call that does not match the captures and pools in progress.
+    #[error("graph pool: {reason}")]
+    GraphPool {
+        /// What does not match.
+        reason: String,
     },
     /// A driver call failed; the allocator's state is as it was before the request.
     #[error("driver call failed: {0}")]

@@ -2,6 +2,7 @@
 //! statistics, and the heap that ties them together and holds every policy.
 
 pub(crate) mod chunks;
+pub(crate) mod graphs;
 pub(crate) mod heap;
 pub mod history;
 pub(crate) mod mapping;

@@ -22,7 +22,7 @@ const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
 /// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-const REQUIRED_SYMBOLS: [&str; 33] = [
+const REQUIRED_SYMBOLS: [&str; 34] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -55,6 +55,7 @@ const REQUIRED_SYMBOLS: [&str; 33] = [
     "cuEventDestroy_v2",
     "cuEventSynchronize",
     "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v2",
     "cuThreadExchangeStreamCaptureMode",
 ];
 
@@ -699,6 +700,23 @@ impl Driver for CudaDriver {
         let r = unsafe { sys::cuStreamIsCapturing(stream.0 as sys::CUstream, &mut status) };
         check(kind, r, || format!("cuStreamIsCapturing(stream={:#x})", stream.0))?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
+        let kind = CallKind::StreamIsCapturing;
+        let _ctx = self.enter(kind)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: sys::cuuint64_t = 0;
+        // SAFETY: the stream is the caller's (or null for the default stream); `status` and `id`
+        // are valid out-pointers for the call, and the optional outputs are null, as allowed.
+        let r = unsafe {
+            let s = stream.0 as sys::CUstream;
+            let (graph, deps, n) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+            sys::cuStreamGetCaptureInfo_v2(s, &mut status, &mut id, graph, deps, n)
+        };
+        check(kind, r, || format!("cuStreamGetCaptureInfo_v2(stream={:#x})", stream.0))?;
+        let active = status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+        Ok(active.then_some(id))
     }
 }
 

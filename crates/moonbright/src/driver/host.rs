@@ -97,8 +97,9 @@ struct State {
     next_hold: u64,
     next_event: u64,
     events: HashMap<u64, EventState>,
-    /// Streams a test has put into graph capture.
-    capturing: std::collections::HashSet<u64>,
+    /// Streams a test has put into graph capture, with their capture's id.
+    capturing: HashMap<u64, u64>,
+    next_capture: u64,
 }
 
 /// Devices the host backend models: it is device 0, and every other can be its peer.
@@ -206,7 +207,8 @@ impl HostDriver {
                 next_hold: 1,
                 next_event: 1,
                 events: HashMap::new(),
-                capturing: std::collections::HashSet::new(),
+                capturing: HashMap::new(),
+                next_capture: 1,
             }),
             peers: crate::sync::Mutex::new(Vec::new()),
         })
@@ -236,12 +238,22 @@ impl HostDriver {
         }
     }
 
-    /// Test hook: `s` reports being captured into a graph until [`Self::end_capture`].
-    pub fn begin_capture(&self, s: StreamHandle) {
-        self.lock().capturing.insert(s.0);
+    /// Test hook: `s` reports being captured into a graph until [`Self::end_capture`]. Returns
+    /// the new capture's id.
+    pub fn begin_capture(&self, s: StreamHandle) -> u64 {
+        let mut st = self.lock();
+        let id = st.next_capture;
+        st.next_capture += 1;
+        st.capturing.insert(s.0, id);
+        id
     }
 
-    /// Test hook: ends a capture begun by [`Self::begin_capture`].
+    /// Test hook: `s` joins capture `id` (as a stream forked from the capturing one does).
+    pub fn join_capture(&self, s: StreamHandle, id: u64) {
+        self.lock().capturing.insert(s.0, id);
+    }
+
+    /// Test hook: ends a capture begun by [`Self::begin_capture`] (on `s` only).
     pub fn end_capture(&self, s: StreamHandle) {
         self.lock().capturing.remove(&s.0);
     }
@@ -795,6 +807,14 @@ impl Driver for HostDriver {
     fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
         let call = CallKind::EventRecord;
         let mut st = self.lock();
+        if st.capturing.contains_key(&stream.0) {
+            // On CUDA the record would join the graph being captured instead.
+            return Err(err(
+                call,
+                code::STREAM_CAPTURE_UNSUPPORTED,
+                format!("record_event: stream {} is being captured into a graph", stream.0),
+            ));
+        }
         let Some(&hold) = st.streams.get(&stream.0) else {
             return Err(err(
                 call,
@@ -857,7 +877,11 @@ impl Driver for HostDriver {
     }
 
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
-        Ok(self.lock().capturing.contains(&stream.0))
+        Ok(self.lock().capturing.contains_key(&stream.0))
+    }
+
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
+        Ok(self.lock().capturing.get(&stream.0).copied())
     }
 }
 

@@ -178,6 +178,8 @@ pub mod code {
     pub const NOT_READY: i32 = 600;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
     pub const NOT_SUPPORTED: i32 = 801;
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: an operation not allowed on a capturing stream.
+    pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
     /// `CUDA_ERROR_UNKNOWN`: what an injected failure reports.
     pub const UNKNOWN: i32 = 999;
 }
@@ -268,6 +270,9 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn synchronize_event(&self, event: EventHandle) -> DriverResult<()>;
     /// Whether `stream` is being captured into a CUDA graph.
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool>;
+    /// The id of the capture `stream` is part of (unique in the process), or `None` when it is
+    /// not being captured. Counted as `StreamIsCapturing`.
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>>;
 }
 
 /// Counts of driver calls by kind.
@@ -537,6 +542,10 @@ impl<D: Driver> Driver for Instrumented<D> {
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
         self.enter(CallKind::StreamIsCapturing)?;
         self.inner.is_capturing(stream)
+    }
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
+        self.enter(CallKind::StreamIsCapturing)?;
+        self.inner.capture_id(stream)
     }
 }
 

@@ -3,6 +3,7 @@
 //! (new ranges, events, unmaps, releases) is planned under the lock, run without it, and
 //! committed under it again, so no lock a request needs is ever held across a driver call.
 
+mod graphs;
 mod growable;
 #[cfg(all(test, loom))]
 mod loom_model;
@@ -70,6 +71,10 @@ pub(crate) struct Shared {
     /// commit; `enable_peer_access` holds it for writing, so that no mapping is in flight while
     /// it grants the new peer access to every span the heap has mapped.
     peers: RwLock<Vec<i32>>,
+    /// The CUDA graphs' pools (`graphs.rs`); never locked with the heap.
+    graphs: Mutex<crate::core::graphs::GraphPools>,
+    /// Whether a free must look at the graph pools (`GraphPools::active`), kept under their lock.
+    graphs_active: AtomicBool,
 }
 
 impl Shared {
@@ -83,6 +88,8 @@ impl Shared {
             options,
             requests_mapping: AtomicUsize::new(0),
             peers: RwLock::new(Vec::new()),
+            graphs: Mutex::new(Default::default()),
+            graphs_active: AtomicBool::new(false),
         }
     }
 
@@ -177,14 +184,22 @@ impl Shared {
     // ---- requests -------------------------------------------------------------------------------
 
     /// Allocates for `stream` (`None`: the caller orders everything itself, no capture check).
+    /// On a stream being captured into a graph, from the capture's graph pool (`graphs.rs`).
     pub fn malloc(&self, size: u64, stream: Option<StreamHandle>) -> Result<DevicePtr> {
         let s = match stream {
             Some(s) => {
-                self.refuse_capture(s)?;
+                if self.driver.is_capturing(s)? {
+                    return self.malloc_in_capture(size, s);
+                }
                 s.0
             }
             None => 0,
         };
+        self.malloc_on(size, s)
+    }
+
+    /// Allocates for the heap's stream `s`.
+    fn malloc_on(&self, size: u64, s: u64) -> Result<DevicePtr> {
         let mut waits = Waits::new();
         loop {
             let (pages, arena) = {
@@ -211,8 +226,12 @@ impl Shared {
         }
     }
 
-    /// Frees at once (the caller guarantees the device is done with it).
+    /// Frees at once (the caller guarantees the device is done with it). A graph pool's block
+    /// goes back to its pool.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if let Some(r) = self.free_for_graphs(ptr, None) {
+            return r;
+        }
         let mut heap = self.heap();
         if heap.is_growable(ptr) {
             drop(heap);
@@ -228,7 +247,18 @@ impl Shared {
     ///
     /// An allocation other streams used too (`record_stream`) waits for each of them: an event
     /// is recorded on every one, and no stream reuses the memory before all have completed.
+    ///
+    /// A graph pool's block goes back to its pool; a free of other memory on a stream being
+    /// captured, for a capture begun into a pool, waits for the capture's end (`graphs.rs`).
     pub fn free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        if let Some(r) = self.free_for_graphs(ptr, Some(stream)) {
+            return r;
+        }
+        self.free_async_heap(ptr, stream)
+    }
+
+    /// `free_async` for the heap.
+    fn free_async_heap(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.refuse_capture(stream)?;
         let mut uses_checked = false;
         let freed = loop {
@@ -521,6 +551,7 @@ impl Shared {
 
     /// Gives back every page no allocation or pending free uses. Returns the bytes released.
     pub fn release_unused(&self) -> Result<u64> {
+        let stranded = self.retry_stranded();
         self.poll_events();
         self.heap().retire_all_free();
         self.flush()?;
@@ -543,7 +574,7 @@ impl Shared {
         self.validated(&heap);
         match first_error {
             Some(e) => Err(e.into()),
-            None => Ok(bytes),
+            None => stranded.map(|()| bytes),
         }
     }
 

@@ -1,0 +1,171 @@
+//! CUDA graphs in the front end: requests on a stream being captured into a graph, for a capture
+//! begun into a graph pool (`begin_graph_capture`), and the handback of a pool's memory once its
+//! last graph is released. The pools' bookkeeping is `core::graphs`; this file makes its calls.
+//!
+//! During a capture no event may be recorded on the capturing stream (it would join the graph),
+//! so nothing here records one then: a pool's blocks need none (they stay the pool's), and a free
+//! of other memory on the capturing stream waits for the capture's end.
+
+use super::Shared;
+use crate::core::graphs::{HandBack, PoolFree, PoolId};
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::{Error, Result};
+use crate::sync::atomic::Ordering;
+
+/// The heap's stream for a pool's new blocks: no real stream, so that they come only from
+/// memory no stream's pending work uses (the graph's replays are ordered with no stream's).
+pub(super) const GRAPH_STREAM: u64 = u64::MAX;
+
+impl Shared {
+    /// Notes that the capture in progress on `stream` allocates into graph pool `pool`: until
+    /// `end_graph_capture(stream)`, requests of that capture (on `stream`, or on streams it has
+    /// forked) are served from the pool, and their memory stays the pool's.
+    pub fn begin_graph_capture(&self, stream: StreamHandle, pool: PoolId) -> Result<()> {
+        let Some(capture) = self.driver.capture_id(stream)? else {
+            return Err(Error::GraphPool {
+                reason: format!("stream {:#x} is not being captured into a graph", stream.0),
+            });
+        };
+        self.with_graphs(|g| g.begin(capture, stream.0, pool))
+            .map_err(|reason| Error::GraphPool { reason })
+    }
+
+    /// Ends the capture begun on `stream` (after the driver has ended it): what it freed is
+    /// reusable by later captures into its pool, and the frees of other memory it deferred are
+    /// done now.
+    pub fn end_graph_capture(&self, stream: StreamHandle) -> Result<()> {
+        let Some((_, deferred)) = self.with_graphs(|g| g.end(stream.0)) else {
+            return Err(Error::GraphPool {
+                reason: format!("no graph capture was begun on stream {:#x}", stream.0),
+            });
+        };
+        let mut first = self.retry_stranded().err();
+        for (ptr, s) in deferred {
+            if let Err(e) = self.free_async_heap(ptr, StreamHandle(s)) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Notes that a graph of `pool` was replayed on `stream`: the pool's memory goes back to the
+    /// heap only after the work queued there before its release.
+    pub fn graph_replayed(&self, pool: PoolId, stream: StreamHandle) {
+        self.with_graphs(|g| g.replayed(pool, stream.0));
+    }
+
+    /// One graph of `pool` is gone (PyTorch's `releasePool`). With the last, the pool's free
+    /// blocks go back to the heap, ordered after every stream its graphs were replayed on.
+    pub fn release_graph_pool(&self, pool: PoolId) -> Result<()> {
+        let back =
+            self.with_graphs(|g| g.release(pool)).map_err(|reason| Error::GraphPool { reason })?;
+        let mut first = self.retry_stranded().err();
+        if let Err(e) = self.hand_back(back) {
+            first.get_or_insert(e);
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Blocks and bytes graph pools hold free for their graphs.
+    pub fn graph_pool_free(&self) -> (usize, u64) {
+        self.with_graphs(|g| g.free_blocks())
+    }
+
+    /// Tries again the handbacks a capture held up.
+    pub(super) fn retry_stranded(&self) -> Result<()> {
+        let stranded = self.with_graphs(|g| g.take_stranded());
+        self.hand_back(stranded)
+    }
+
+    /// A request on `stream`, which is being captured: served from the capture's pool if one
+    /// was begun for it, else refused.
+    pub(super) fn malloc_in_capture(&self, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        let capture = self.driver.capture_id(stream)?;
+        let page = self.driver.granularity() as u64;
+        let found = self.with_graphs(|g| {
+            let capture = capture?;
+            let pool = g.pool_of_capture(capture)?;
+            Some((pool, g.reuse(pool, capture, stream.0, size, page)))
+        });
+        match found {
+            None => Err(Error::StreamCapture { stream: stream.0 }),
+            Some((_, Some(ptr))) => Ok(ptr),
+            Some((pool, None)) => {
+                let ptr = self.malloc_on(size, GRAPH_STREAM)?;
+                self.with_graphs(|g| g.adopt(pool, ptr));
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// A free of `ptr` on `stream` (`None`: a synchronous free) as the graph pools see it:
+    /// `Some` outcome if they took it (a pool's block, or a free deferred to a capture's end),
+    /// `None` for the heap to free it as usual.
+    pub(super) fn free_for_graphs(
+        &self,
+        ptr: DevicePtr,
+        stream: Option<StreamHandle>,
+    ) -> Option<Result<()>> {
+        if !self.graphs_active.load(Ordering::Acquire) {
+            return None;
+        }
+        let (owned, capturing) = self.with_graphs(|g| (g.owns(ptr), g.capturing()));
+        if !owned && !capturing {
+            return None;
+        }
+        // Which capture the free is part of matters only while one is in progress.
+        let capture = match stream.filter(|_| capturing).map(|s| self.driver.capture_id(s)) {
+            Some(Err(e)) => return Some(Err(e.into())),
+            Some(Ok(c)) => c,
+            None => None,
+        };
+        let s = stream.map_or(0, |s| s.0);
+        if !owned {
+            // Only a live allocation's free is deferred; anything else gets the heap's answer.
+            let live = capture.is_some() && self.heap().usable_size(ptr).is_some();
+            let deferred =
+                live && capture.is_some_and(|c| self.with_graphs(|g| g.defer_free(c, ptr, s)));
+            return deferred.then_some(Ok(()));
+        }
+        let size = self.heap().usable_size(ptr).unwrap_or(0);
+        match self.with_graphs(|g| g.free(ptr, size, s, capture)) {
+            PoolFree::NotPooled => None,
+            PoolFree::Kept => Some(Ok(())),
+            PoolFree::DoubleFree => Some(Err(Error::DoubleFree { ptr })),
+            PoolFree::HandBack { uses } => {
+                Some(self.hand_back(vec![HandBack { ptr, stream: s, uses }]))
+            }
+        }
+    }
+
+    /// Frees released pools' blocks to the heap, each on its stream and joined with the streams
+    /// the graphs were replayed on. One held up by a capture on one of them is kept for later.
+    fn hand_back(&self, blocks: Vec<HandBack>) -> Result<()> {
+        let mut first = None;
+        for b in blocks {
+            let mut heap = self.heap();
+            for &u in &b.uses {
+                // The block is live (a pool's), so only a growable could refuse, and none is.
+                let _ = heap.record_use(b.ptr, u);
+            }
+            drop(heap);
+            match self.free_async_heap(b.ptr, StreamHandle(b.stream)) {
+                Ok(()) => {}
+                Err(Error::StreamCapture { .. }) => self.with_graphs(|g| g.strand(b)),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Runs `f` on the graph pools under their lock (never held with the heap's), and keeps
+    /// `graphs_active` in step.
+    fn with_graphs<T>(&self, f: impl FnOnce(&mut crate::core::graphs::GraphPools) -> T) -> T {
+        let mut g = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let out = f(&mut g);
+        self.graphs_active.store(g.active(), Ordering::Release);
+        out
+    }
+}

@@ -1,0 +1,246 @@
+//! CUDA graph pools on the host backend, whose streams can be put into capture: requests of a
+//! capture begun into a pool are served from it with no event recorded on the capturing stream;
+//! the pool's blocks never reach other allocations while a graph of the pool exists; blocks freed
+//! in a capture are reused there only on the freeing stream, and by later captures into the pool;
+//! frees of other memory wait for the capture's end; releasing the last graph hands the pool's
+//! memory back ordered after the streams its graphs were replayed on; mismatched calls and driver
+//! failures are refused and change nothing. The GPU runs the same through PyTorch's
+//! `torch.cuda.graph` (python/tests/gpu/test_graphs.py).
+
+use moonbright::driver::host::HostDriver;
+use moonbright::driver::Driver;
+use moonbright::scenario::{stamp, verify};
+use moonbright::{Allocator, CallKind, Error, Options, StreamHandle};
+
+const PAGE: usize = 64 << 10;
+const POOL: (u64, u64) = (0, 1);
+
+fn opts() -> Options {
+    Options {
+        cap_fraction: 1.0,
+        background: false,
+        max_chunk_bytes: 4 * PAGE as u64,
+        ..Options::host(256 * PAGE as u64, PAGE)
+    }
+}
+
+fn host(a: &Allocator) -> &HostDriver {
+    a.driver().inner().as_host().unwrap()
+}
+
+fn streams(a: &Allocator, n: usize) -> Vec<StreamHandle> {
+    (0..n).map(|_| a.driver().create_stream().unwrap()).collect()
+}
+
+fn records(a: &Allocator) -> u64 {
+    a.stats().driver_calls.get(CallKind::EventRecord)
+}
+
+/// A capture begun on `s` into `pool`; returns its id.
+fn capture(a: &Allocator, s: StreamHandle, pool: (u64, u64)) -> u64 {
+    let id = host(a).begin_capture(s);
+    a.begin_graph_capture(s, pool).unwrap();
+    id
+}
+
+fn end(a: &Allocator, s: StreamHandle) {
+    host(a).end_capture(s);
+    a.end_graph_capture(s).unwrap();
+}
+
+#[test]
+fn a_capture_allocates_from_its_pool_and_reuses_on_the_freeing_stream_only() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 2);
+    let before = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    let id = capture(&a, s[0], POOL);
+    host(&a).join_capture(s[1], id);
+    let recorded = records(&a);
+
+    let sizes = [100, 5000, PAGE, 3 * PAGE, 9 * PAGE];
+    let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc_async(n, s[0]).unwrap()).collect();
+    for (&p, &n) in ptrs.iter().zip(&sizes) {
+        stamp(&a, p, n, p).unwrap();
+    }
+    assert!(verify(&a, before, 3 * PAGE, 0).is_ok());
+    a.free_async(ptrs[3], s[0]).unwrap();
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).map(|p| p == ptrs[3]), Ok(false), "another stream");
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]), Ok(ptrs[3]), "the freeing stream reuses it");
+    assert_eq!(records(&a), recorded, "no event recorded during the capture");
+    end(&a, s[0]);
+    host(&a).end_capture(s[1]);
+    a.check_invariants().unwrap();
+
+    // The pool keeps what its graph uses: frees after the capture keep the memory from others.
+    for &p in &ptrs {
+        a.free_async(p, s[0]).unwrap();
+    }
+    assert_eq!(a.graph_pool_free().0, ptrs.len());
+    assert_eq!(a.free_async(ptrs[0], s[0]), Err(Error::DoubleFree { ptr: ptrs[0] }));
+    assert_eq!(a.graph_pool_free().0, ptrs.len(), "a double free changes nothing");
+    let others: Vec<u64> = (0..40).map(|_| a.malloc_async(3 * PAGE, s[1]).unwrap()).collect();
+    assert!(others.iter().all(|p| !ptrs.contains(p)), "a pool's block went to another allocation");
+    for (&p, &n) in ptrs.iter().zip(&sizes) {
+        assert!(verify(&a, p, n, p).unwrap(), "a pool's block was overwritten");
+    }
+
+    // A later capture into the pool reuses them, on any stream.
+    capture(&a, s[1], POOL);
+    assert_eq!(a.malloc_async(9 * PAGE, s[1]), Ok(ptrs[4]));
+    end(&a, s[1]);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn releasing_the_last_graph_hands_the_memory_back_after_its_replays() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 3);
+    capture(&a, s[0], POOL);
+    capture(&a, s[2], POOL);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    let live = a.malloc_async(2 * PAGE, s[0]).unwrap();
+    end(&a, s[0]);
+    end(&a, s[2]);
+    a.free_async(p, s[0]).unwrap();
+    a.graph_replayed(POOL, s[1]);
+    host(&a).hold_stream(s[1]);
+
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!(a.graph_pool_free().0, 1, "one graph of the pool is left");
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!(a.graph_pool_free().0, 0);
+    assert_eq!(
+        a.release_graph_pool(POOL).map_err(|e| matches!(e, Error::GraphPool { .. })),
+        Err(true)
+    );
+    // The replay stream's work may still use it: no other stream gets it yet.
+    a.poll();
+    let q = a.malloc_async(3 * PAGE, s[2]).unwrap();
+    assert_ne!(q, p, "handed to another stream while the replay stream still ran");
+    host(&a).release_stream(s[1]);
+    a.poll();
+    a.free_async(q, s[2]).unwrap();
+    let again = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert!(again == p || again == q, "the handed-back block is ordinary memory again");
+
+    // A live block of a released pool goes back when freed.
+    let before = a.stats().allocations.current;
+    a.free_async(live, s[0]).unwrap();
+    assert_eq!(a.stats().allocations.current, before - 1);
+    assert_eq!(a.free_async(live, s[0]), Err(Error::DoubleFree { ptr: live }));
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn other_frees_on_the_capturing_stream_wait_for_the_capture_end() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 1)[0];
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    let allocations = a.stats().allocations.current;
+    capture(&a, s, POOL);
+    a.free_async(p, s).unwrap();
+    assert_eq!(a.stats().allocations.current, allocations, "freed before the capture ended");
+    end(&a, s);
+    assert_eq!(a.stats().allocations.current, allocations - 1);
+    assert_eq!(a.free_async(p, s), Err(Error::DoubleFree { ptr: p }));
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_handback_held_up_by_a_capture_is_done_later() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 2);
+    capture(&a, s[0], POOL);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    end(&a, s[0]);
+    a.free_async(p, s[0]).unwrap();
+    a.graph_replayed(POOL, s[1]);
+    let allocations = a.stats().allocations.current;
+    // Another capture on the replay stream, not into a pool: no event can be recorded there.
+    host(&a).begin_capture(s[1]);
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!(a.stats().allocations.current, allocations, "handed back during the capture");
+    host(&a).end_capture(s[1]);
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().allocations.current, allocations - 1, "handed back after it");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn mismatched_calls_are_refused_and_change_nothing() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 2);
+    let is_pool_error = |r: moonbright::Result<()>| matches!(r, Err(Error::GraphPool { .. }));
+    assert!(is_pool_error(a.begin_graph_capture(s[0], POOL)), "not capturing");
+    assert!(is_pool_error(a.end_graph_capture(s[0])), "nothing begun");
+    assert!(is_pool_error(a.release_graph_pool(POOL)), "no graph");
+    capture(&a, s[0], POOL);
+    assert!(is_pool_error(a.begin_graph_capture(s[0], (0, 2))), "begun already");
+    // A capture not begun into a pool is refused as before.
+    host(&a).begin_capture(s[1]);
+    assert_eq!(a.malloc_async(100, s[1]), Err(Error::StreamCapture { stream: s[1].0 }));
+    host(&a).end_capture(s[1]);
+    // A failed capture query refuses the request and allocates nothing.
+    let allocations = a.stats().allocations.current;
+    a.driver().fail_nth(CallKind::StreamIsCapturing, 2, None);
+    assert!(matches!(a.malloc_async(100, s[0]), Err(Error::Driver(_))));
+    assert_eq!(a.stats().allocations.current, allocations);
+    let p = a.malloc_async(100, s[0]).unwrap();
+    end(&a, s[0]);
+    a.free_async(p, s[0]).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn other_threads_never_get_a_pools_memory() {
+    let a = Allocator::new(Options { validate: true, ..opts() }).unwrap();
+    let s = streams(&a, 3);
+    let pooled: Vec<u64> = {
+        capture(&a, s[0], POOL);
+        let v = (0..12).map(|i| a.malloc_async((i % 4 + 1) * PAGE, s[0]).unwrap()).collect();
+        end(&a, s[0]);
+        v
+    };
+    for &p in &pooled {
+        a.free_async(p, s[0]).unwrap();
+    }
+    std::thread::scope(|t| {
+        for k in 1..3 {
+            let (a, s, pooled) = (&a, s[k], &pooled);
+            t.spawn(move || {
+                for i in 0..300 {
+                    let p = a.malloc_async((i % 5 + 1) * PAGE, s).unwrap();
+                    assert!(!pooled.contains(&p), "thread {k} got a pool's block");
+                    a.free_async(p, s).unwrap();
+                }
+            });
+        }
+        let (a, pooled) = (&a, &pooled);
+        t.spawn(move || {
+            for _ in 0..50 {
+                capture(a, s[0], POOL);
+                let p = a.malloc_async(2 * PAGE, s[0]).unwrap();
+                assert!(pooled.contains(&p), "a later capture reuses the pool");
+                a.free_async(p, s[0]).unwrap();
+                end(a, s[0]);
+            }
+        });
+    });
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pool_takes_no_memory_a_stream_may_still_use() {
+    let a = Allocator::new(opts()).unwrap();
+    let s = streams(&a, 1)[0];
+    let null = StreamHandle::DEFAULT;
+    host(&a).hold_stream(null);
+    let pending = a.malloc_async(3 * PAGE, null).unwrap();
+    a.free_async(pending, null).unwrap();
+    capture(&a, s, POOL);
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    assert_ne!(p, pending, "the pool took memory the null stream's work may still use");
+    end(&a, s);
+    host(&a).release_stream(null);
+    a.check_invariants().unwrap();
+}
