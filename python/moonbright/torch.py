@@ -56,16 +56,20 @@ raises PyTorch's own ``torch.OutOfMemoryError``; MoonBright's explanation is in
 :func:`moonbright.last_error`. Use it for scoped work, or when the global allocator is already
 initialised.
 
-CUDA graphs: in either mode, tensors made before a capture can be used inside it, and other
-threads may allocate while it runs. Allocating inside a capture is refused (the address would
-be baked into the graph while MoonBright could reuse the memory): in global mode with
-MoonBright's message, and in pool mode (``torch.cuda.graph(g, pool=pool.id)``) as PyTorch's
-out-of-memory error, with MoonBright's reason printed to stderr. Graph-private pools need
-PyTorch's capture hooks, which its pluggable-allocator interface offers only to C++. For the
-same reason ``torch.compile(mode="reduce-overhead")``, whose CUDA-graph trees call the allocator's
-``checkPoolLiveAllocations``, fails under :func:`enable` with PyTorch's "pluggable does not yet
-support checkPoolLiveAllocations"; modes ``"default"`` and ``"max-autotune-no-cudagraphs"``
-ran under it.
+CUDA graphs: in global mode, ``torch.cuda.graph`` and ``make_graphed_callables`` work as with
+PyTorch's allocator. Tensors allocated inside a capture come from a *graph pool*, PyTorch's
+``graph.pool()`` (shared when ``pool=`` is passed, as with ``graph_pool_handle()``): their
+memory stays the pool's, for later captures into it, until the pool's last graph is reset or
+deleted, and then goes back ordered after the streams the graphs were replayed on. A block
+freed inside a capture is reused there only on the stream that freed it. (:func:`enable` wraps
+``torch.cuda.CUDAGraph``'s methods for this, since the pluggable-allocator interface offers
+PyTorch's capture hooks only to C++.) Free blocks of graph pools count as allocated in the
+statistics; :func:`moonbright.graph_pool_free` gives them. ``torch.compile(mode="reduce-overhead")``
+still fails under :func:`enable`, with PyTorch's own "pluggable does not yet support
+checkPoolLiveAllocations" (its CUDA-graph trees call it); modes ``"default"`` and
+``"max-autotune-no-cudagraphs"`` ran under it. In pool mode, allocating inside a capture
+(``torch.cuda.graph(g, pool=pool.id)``) is refused, as PyTorch's out-of-memory error, with
+MoonBright's reason printed to stderr.
 """
 
 from __future__ import annotations
@@ -188,6 +192,7 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
         ) from e
     _patch_statistics(torch)
     _patch_record_stream(torch)
+    _patch_graphs(torch)
     _enabled = True
 
 
@@ -227,6 +232,112 @@ def _patch_record_stream(torch: Any) -> None:
     record_stream.__doc__ = original.__doc__
     _keep.append(original)
     torch.Tensor.record_stream = record_stream
+
+
+def _patch_graphs(torch: Any) -> None:
+    """Makes ``torch.cuda.CUDAGraph`` captures allocate into MoonBright graph pools.
+
+    PyTorch tells its allocator about a capture with ``beginAllocateToPool``,
+    ``endAllocateToPool`` and ``releasePool``, which CUDAPluggableAllocator forwards only to C++
+    hooks that Python cannot set (torch/csrc/cuda/CUDAPluggableAllocator.cpp). The graph's
+    Python methods are wrapped instead, and each calls PyTorch's own first:
+
+    - ``capture_begin``: :func:`moonbright.begin_graph_capture` for the capturing stream and
+      the pool passed (shared with the graphs captured into it), or a fresh one;
+    - ``capture_end``: :func:`moonbright.end_graph_capture`;
+    - ``replay``: :func:`moonbright.graph_replayed` for the current stream, once a stream;
+    - ``reset`` and ``__del__``: :func:`moonbright.release_graph_pool`, once a capture.
+
+    So ``torch.cuda.graph``, ``torch.cuda.make_graphed_callables`` and code that drives
+    ``CUDAGraph`` itself (vLLM's) allocate inside captures. Captures PyTorch makes without this
+    class are refused as before. A failure is not raised from a destructor or in the middle of
+    a capture: it is warned about, and left in :func:`moonbright.last_error`.
+    """
+    import warnings
+
+    graph = torch.cuda.CUDAGraph
+    originals = {
+        name: getattr(graph, name) for name in ("capture_begin", "capture_end", "replay", "reset")
+    }
+    _keep.append(originals)
+
+    def warn(what: str, e: BaseException) -> None:
+        warnings.warn(f"moonbright: {what}: {e}", RuntimeWarning, stacklevel=3)
+
+    # PyTorch's pool ids -> MoonBright's. `self.pool()` is known only once the capture has
+    # ended, so a capture into a fresh pool begins under a key of MoonBright's own, which later
+    # captures naming that graph's pool (``pool=g.pool()``) are mapped to.
+    keys: dict[tuple[int, int], tuple[int, int]] = {}
+    fresh = iter(range(1, 1 << 62))
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+        originals["capture_begin"](self, *args, **kwargs)
+        device = int(torch.cuda.current_device())
+        stream = int(torch.cuda.current_stream(device).cuda_stream)
+        given = args[0] if args else kwargs.get("pool")
+        if given is None:
+            pool = ((1 << 64) - 1, next(fresh))
+        else:
+            given = tuple(int(x) for x in given)
+            pool = keys.get(given, given)
+        try:
+            moonbright.begin_graph_capture(stream, pool, device)
+        except RuntimeError as e:
+            warn("this capture's allocations will be refused", e)
+            return
+        self.__dict__["_moonbright"] = {
+            "device": device, "stream": stream, "pool": pool, "ended": False, "replayed": set()
+        }
+
+    def end_capture(state: dict[str, Any]) -> None:
+        if not state["ended"]:
+            state["ended"] = True
+            moonbright.end_graph_capture(state["stream"], state["device"])
+
+    def capture_end(self: Any) -> None:
+        try:
+            originals["capture_end"](self)
+        finally:
+            state = self.__dict__.get("_moonbright")
+            if state is not None:
+                try:
+                    end_capture(state)
+                except RuntimeError as e:  # a deferred free failed: the capture itself is fine
+                    warn("ending a capture", e)
+        if state is not None:
+            keys[tuple(int(x) for x in self.pool())] = state["pool"]
+
+    def replay(self: Any) -> None:
+        originals["replay"](self)
+        state = self.__dict__.get("_moonbright")
+        if state is not None:
+            stream = int(torch.cuda.current_stream(state["device"]).cuda_stream)
+            if stream not in state["replayed"]:
+                state["replayed"].add(stream)
+                moonbright.graph_replayed(state["pool"], stream, state["device"])
+
+    def release(self: Any) -> None:
+        state = self.__dict__.pop("_moonbright", None)
+        if state is None:
+            return
+        try:
+            end_capture(state)
+            moonbright.release_graph_pool(state["pool"], state["device"])
+        except Exception as e:  # noqa: BLE001 - never raise from a destructor
+            warn("releasing a graph's memory", e)
+
+    def reset(self: Any) -> None:
+        originals["reset"](self)
+        release(self)
+
+    def __del__(self: Any) -> None:
+        release(self)
+
+    for f, name in ((capture_begin, "capture_begin"), (capture_end, "capture_end"),
+                    (replay, "replay"), (reset, "reset")):
+        f.__doc__ = originals[name].__doc__
+        setattr(graph, name, f)
+    graph.__del__ = __del__
 
 
 def _patch_statistics(torch: Any) -> None:

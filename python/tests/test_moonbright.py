@@ -267,6 +267,18 @@ def test_record_stream_checks_its_pointer(lib):
     moonbright.check_invariants()
 
 
+def test_graph_pool_calls_without_a_capture_are_refused():
+    with pytest.raises(RuntimeError, match="not being captured"):
+        moonbright.begin_graph_capture(0, (0, 1))
+    with pytest.raises(RuntimeError, match="no graph capture was begun"):
+        moonbright.end_graph_capture(0)
+    with pytest.raises(RuntimeError, match="no graph to release"):
+        moonbright.release_graph_pool((0, 1))
+    moonbright.graph_replayed((0, 1), 0)
+    assert moonbright.graph_pool_free() == (0, 0)
+    moonbright.check_invariants()
+
+
 def test_set_cap_and_memory_fraction():
     # In a process of its own: the cap outlives the test.
     r = run_py(

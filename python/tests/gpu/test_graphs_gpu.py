@@ -1,0 +1,170 @@
+"""CUDA graphs under moonbright.torch.enable() (run on the H200: python3 -m pytest
+python/tests/gpu -x -q). Tensors allocated inside a capture come from a graph pool
+(docs/design.md, CUDA graphs): replays give what eager code gives, other allocations never
+receive a graph's memory while the graph exists, captures sharing a pool reuse its memory, and
+deleting the graphs gives it back. Each scenario runs in a fresh process (see test_torch_gpu.py).
+"""
+
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from test_torch_gpu import run  # noqa: E402
+
+MODEL = """
+import json, sys, torch, moonbright
+MB = sys.argv[1:] != ["pytorch"]
+if MB:
+    import moonbright.torch
+    moonbright.torch.enable()
+torch.manual_seed(0)
+torch.backends.cuda.matmul.allow_tf32 = False
+model = torch.nn.Sequential(
+    torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096), torch.nn.GELU(),
+    torch.nn.Linear(4096, 1024),
+).cuda().eval()
+"""
+
+
+def with_model(body):
+    return MODEL + textwrap.dedent(body)
+
+
+def test_a_graph_allocating_inside_its_capture_replays_as_eager_code_runs():
+    body = with_model(
+        """
+        static_in = torch.randn(64, 1024, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(3):
+                model(static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        allocated = torch.cuda.memory_allocated()
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            static_out = model(static_in)
+        held = moonbright.graph_pool_free() if MB else (0, 0)
+        # Other allocations while the graph exists, filled with a pattern its replays must spare.
+        others = [torch.full(((1 << 18) * (1 + i % 7),), float(i), device="cuda") for i in range(64)]
+        diffs = []
+        for i in range(5):
+            x = torch.randn(64, 1024, device="cuda")
+            static_in.copy_(x)
+            g.replay()
+            with torch.no_grad():
+                diffs.append((static_out - model(x)).abs().max().item())
+            del x
+            tmp = [torch.empty((1 << 20) * (1 + j % 5), device="cuda") for j in range(20)]
+            del tmp
+        torch.cuda.synchronize()
+        spared = all(bool((t == float(i)).all()) for i, t in enumerate(others))
+        graph_ptrs_in_others = static_out.data_ptr() in {t.data_ptr() for t in others}
+        del others, static_out
+        del g
+        torch.cuda.synchronize()
+        print(json.dumps({
+            "max_diff": max(diffs), "spared": spared, "held": list(held),
+            "after": list(moonbright.graph_pool_free()) if MB else None,
+            "clash": graph_ptrs_in_others,
+            "allocated_before": allocated, "allocated_after": torch.cuda.memory_allocated(),
+            "errors": moonbright.last_error(),
+        }))
+        """
+    )
+    out = run(body)
+    assert out["max_diff"] < 1e-4, out
+    assert out["spared"] and not out["clash"], out
+    assert out["held"][0] > 0, f"intermediates freed inside the capture stay the pool's: {out}"
+    assert out["after"] == [0, 0], out
+    # What stays allocated once the graph is gone (cuBLAS keeps a workspace for each stream it
+    # ran on, the capture's among them) is what stays under PyTorch's own allocator.
+    control = run_mode(body, "pytorch")
+    ours, theirs = (o["allocated_after"] - o["allocated_before"] for o in (out, control))
+    assert abs(ours - theirs) < 1 << 20, (out, control)
+
+
+def test_graphs_sharing_a_pool_reuse_its_memory():
+    """vLLM captures one graph per batch size, largest first, into one pool."""
+    out = run(
+        with_model(
+            """
+        pool = torch.cuda.graph_pool_handle()
+        graphs, ins, outs, reserved = {}, {}, {}, []
+        s = torch.cuda.Stream()  # one warm-up stream: cuBLAS keeps a workspace for each
+        with torch.no_grad():
+            for n in (256, 128, 64, 32, 16, 8):
+                ins[n] = torch.randn(n, 1024, device="cuda")
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    model(ins[n])
+                torch.cuda.current_stream().wait_stream(s)
+                graphs[n] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[n], pool=pool):
+                    outs[n] = model(ins[n])
+                reserved.append(torch.cuda.memory_reserved())
+            ok = True
+            for n in graphs:
+                x = torch.randn(n, 1024, device="cuda")
+                ins[n].copy_(x)
+                graphs[n].replay()
+                ok &= bool(torch.allclose(outs[n], model(x), rtol=1e-4, atol=1e-4))
+        torch.cuda.synchronize()
+        del graphs, outs
+        torch.cuda.synchronize()
+        print(json.dumps({"ok": ok, "reserved": reserved,
+                          "after": list(moonbright.graph_pool_free()) if MB else None}))
+        """
+        )
+    )
+    assert out["ok"], out
+    first, last = out["reserved"][0], out["reserved"][-1]
+    assert last - first < 16 << 20, f"smaller captures should reuse the pool: {out}"
+    assert out["after"] == [0, 0], out
+
+
+def test_make_graphed_callables_trains_as_under_pytorchs_allocator():
+    """The graphed module's losses, step by step, are those the same module graphed under
+    PyTorch's own allocator gives (a forward and a backward graph sharing one pool)."""
+    code = """
+        import json, sys, torch, moonbright
+        if sys.argv[1] == "moonbright":
+            import moonbright.torch
+            moonbright.torch.enable()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512)
+        ).cuda()
+        data = [torch.randn(32, 512, device="cuda") for _ in range(8)]
+        m = torch.cuda.make_graphed_callables(m, (torch.randn(32, 512, device="cuda"),))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for x in data:
+            opt.zero_grad(set_to_none=False)
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        held = list(moonbright.graph_pool_free()) if sys.argv[1] == "moonbright" else None
+        print(json.dumps({"losses": losses, "held": held}))
+        """
+    ours = run_mode(code, "moonbright")
+    theirs = run_mode(code, "pytorch")
+    assert ours["losses"] == theirs["losses"], (ours, theirs)
+
+
+def run_mode(code, mode):
+    import json, os, subprocess, sys
+
+    env = {**os.environ, "MOONBRIGHT_ALLOC_CONF": "", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), mode],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, f"{mode}:\n{r.stdout}\n{r.stderr}"
+    return json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
