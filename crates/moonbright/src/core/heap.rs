@@ -657,11 +657,18 @@ impl Heap {
         self.streams.iter().any(|(_, f)| f.events().next().is_some())
     }
 
-    /// Every recorded event not known complete, per stream, oldest first.
+    /// Every recorded event not known complete, per stream, oldest epoch first. Frees on one
+    /// stream from two threads may record their events in the other order than their epochs
+    /// (each records after leaving the lock), so the list is sorted: a poll queries the newest
+    /// epoch's event, which covers every older one (its record came after all their frees).
     pub fn events_to_query(&self) -> Vec<(u64, Vec<(u64, EventHandle)>)> {
         self.streams
             .iter()
-            .map(|(s, f)| (s, f.events().collect::<Vec<_>>()))
+            .map(|(s, f)| {
+                let mut evs = f.events().collect::<Vec<_>>();
+                evs.sort_unstable_by_key(|&(epoch, _)| epoch);
+                (s, evs)
+            })
             .filter(|(_, evs)| !evs.is_empty())
             .collect()
     }

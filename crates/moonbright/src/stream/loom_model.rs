@@ -504,3 +504,49 @@ fn a_peer_enabled_while_a_request_and_the_window_map() {
         finish(&a, &[(p, 3 * PAGE, 1)]);
     });
 }
+
+/// A graph pool's live block freed on one thread while another releases the pool's last graph
+/// and a third allocates on another stream: whichever order the free and the release take,
+/// both blocks of the pool go back to the heap (nothing is left held at the end), the pool's
+/// free block is handed out to no one while the pool holds it, and the graph's bytes stay
+/// untouched until the release. Fails if the free and the release could both miss the block
+/// (a block left in a released pool, or freed twice). It also found that frees on one stream
+/// from two threads could list their events out of epoch order, so that a poll completed only
+/// the older free and `release_unused` left the newer one held (`Heap::events_to_query` now
+/// sorts them).
+#[test]
+fn a_pool_block_freed_while_its_pool_is_released() {
+    model_bounded(3, || {
+        let a = allocator(6, 2);
+        let host = a.driver().inner().as_host().expect("host backend");
+        let (s, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
+        let pool = (0, 1);
+        host.begin_capture(s);
+        a.begin_graph_capture(s, pool).unwrap();
+        let kept = a.malloc_async(PAGE, s).unwrap();
+        let live = a.malloc_async(2 * PAGE, s).unwrap();
+        stamp(&*a, kept, PAGE, 8).unwrap();
+        stamp(&*a, live, 2 * PAGE, 9).unwrap();
+        a.free_async(kept, s).unwrap();
+        host.end_capture(s);
+        a.end_graph_capture(s).unwrap();
+        let freer = {
+            let a = a.clone();
+            thread::spawn(move || a.free_async(live, s).unwrap())
+        };
+        let r = request(&a, PAGE, Some(s2), 3);
+        let released = {
+            let a = a.clone();
+            thread::spawn(move || {
+                assert!(verify(&*a, kept, PAGE, 8).unwrap(), "the pool's free block was reused");
+                a.release_graph_pool(pool).unwrap();
+            })
+        };
+        freer.join().unwrap();
+        released.join().unwrap();
+        let p = r.join().unwrap();
+        assert_eq!(a.graph_pool_free(), (0, 0));
+        assert_eq!(a.stats().allocations.current, 1, "only the request's allocation is live");
+        finish(&a, &[(p, PAGE, 3)]);
+    });
+}
