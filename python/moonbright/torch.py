@@ -67,9 +67,10 @@ PyTorch's capture hooks only to C++.) Free blocks of graph pools count as alloca
 statistics; :func:`moonbright.graph_pool_free` gives them. ``torch.compile(mode="reduce-overhead")``
 still fails under :func:`enable`, with PyTorch's own "pluggable does not yet support
 checkPoolLiveAllocations" (its CUDA-graph trees call it); modes ``"default"`` and
-``"max-autotune-no-cudagraphs"`` ran under it. In pool mode, allocating inside a capture
-(``torch.cuda.graph(g, pool=pool.id)``) is refused, as PyTorch's out-of-memory error, with
-MoonBright's reason printed to stderr.
+``"max-autotune-no-cudagraphs"`` ran under it. In pool mode, PyTorch's caching allocator
+keeps its own graph-private pools and asks MoonBright for segments while capturing
+(``torch.cuda.graph(g, pool=pool.id)``); MoonBright serves them from memory no stream's queued
+work uses (``Allocator::malloc_for_graph``).
 """
 
 from __future__ import annotations

@@ -138,9 +138,11 @@ pub extern "C" fn moonbright_alloc(size: isize, device: c_int, stream: *mut c_vo
 }
 
 /// `moonbright_alloc` for `moonbright.torch.pool()`, whose failures PyTorch's caching allocator
-/// reports as its own out-of-memory error, without MoonBright's message. A request refused
-/// because its stream is being captured into a graph (`torch.cuda.graph(g, pool=pool.id)`)
-/// is no lack of memory, so that refusal is also printed to stderr, saying so.
+/// reports as its own out-of-memory error, without MoonBright's message. A segment asked for
+/// while its stream is being captured (`torch.cuda.graph(g, pool=pool.id)`) goes to PyTorch's
+/// graph-private pool, which keeps it until the graph is gone and its cache emptied: it comes
+/// from memory no stream's queued work uses (`Allocator::malloc_for_graph`). A refusal for
+/// graph capture, if any, is printed to stderr too, saying it is no lack of memory.
 #[no_mangle]
 pub extern "C" fn moonbright_pool_alloc(
     size: isize,
@@ -150,8 +152,9 @@ pub extern "C" fn moonbright_pool_alloc(
     alloc_entry(size, device, stream, true)
 }
 
-/// The allocation entry points' body; `say_capture` prints a refusal for graph capture.
-fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, say_capture: bool) -> *mut c_void {
+/// The allocation entry points' body. `pool_mode`: for `moonbright.torch.pool()`, whose segments
+/// asked for in a capture come from `malloc_for_graph`, and whose refusals are printed.
+fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, pool_mode: bool) -> *mut c_void {
     if size == 0 {
         return std::ptr::null_mut();
     }
@@ -160,7 +163,11 @@ fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, say_capture: boo
             return Err((format!("cannot allocate a negative size ({size} bytes)"), false, false));
         }
         let a = allocator(device).map_err(|e| (e, false, false))?;
-        a.malloc_async(size as usize, StreamHandle(stream as u64)).map_err(|e| {
+        let r = match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
+            Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
+            r => r,
+        };
+        r.map_err(|e| {
             let capture = matches!(e, Error::StreamCapture { .. });
             (format!("device {device}: {e}"), is_oom(&e), capture)
         })
@@ -168,7 +175,7 @@ fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, say_capture: boo
     match r {
         Ok(Ok(p)) => p as *mut c_void,
         Ok(Err((msg, oom, capture))) => {
-            if capture && say_capture {
+            if capture && pool_mode {
                 let _ = catch_unwind(|| {
                     eprintln!("moonbright: {msg} (PyTorch reports this as out of memory)")
                 });

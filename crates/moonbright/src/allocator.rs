@@ -243,6 +243,15 @@ impl Allocator {
         self.shared.malloc(size as u64, None)
     }
 
+    /// Allocates `size` bytes that no stream's queued work may still use: for a caller that keeps
+    /// them for a CUDA graph itself while a capture is in progress (PyTorch's caching allocator
+    /// asking for a segment of its graph-private pool, in `moonbright.torch.pool()` mode). Unlike
+    /// `malloc`, it never takes memory pending on the null stream, whose work the graph's
+    /// replays are not ordered after. Free it with `free_async` once no graph uses it.
+    pub fn malloc_for_graph(&self, size: usize) -> Result<DevicePtr> {
+        self.shared.malloc_for_graph(size as u64)
+    }
+
     /// Frees an allocation at once. The caller guarantees no device work still uses it (as after
     /// a stream synchronisation); `free_async` lifts that.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {

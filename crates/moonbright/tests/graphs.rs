@@ -240,6 +240,9 @@ fn a_pool_takes_no_memory_a_stream_may_still_use() {
     capture(&a, s, POOL);
     let p = a.malloc_async(3 * PAGE, s).unwrap();
     assert_ne!(p, pending, "the pool took memory the null stream's work may still use");
+    let q = a.malloc_for_graph(3 * PAGE).unwrap();
+    assert_ne!(q, pending, "malloc_for_graph took memory the null stream's work may still use");
+    a.free_async(q, s).unwrap();
     end(&a, s);
     host(&a).release_stream(null);
     a.check_invariants().unwrap();

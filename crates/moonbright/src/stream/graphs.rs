@@ -66,6 +66,11 @@ impl Shared {
         first.map_or(Ok(()), Err)
     }
 
+    /// Memory no stream's queued work may still use, kept by the caller for a graph.
+    pub fn malloc_for_graph(&self, size: u64) -> Result<DevicePtr> {
+        self.malloc_on(size, GRAPH_STREAM)
+    }
+
     /// Blocks and bytes graph pools hold free for their graphs.
     pub fn graph_pool_free(&self) -> (usize, u64) {
         self.with_graphs(|g| g.free_blocks())
