@@ -17,20 +17,27 @@ fn bind(a: &Allocator) {
     }
 }
 
-#[test]
-fn allocation_during_graph_capture_is_refused() {
+/// A CUDA allocator capped at `cap` bytes, validating every step, whose context is this
+/// thread's; `None` (with a message) without a GPU.
+fn cuda_allocator(cap: u64) -> Option<Allocator> {
     if let Err(why) = moonbright::driver::cuda::probe() {
         eprintln!("skipping: {why}");
-        return;
+        return None;
     }
     let a = Allocator::new(Options {
         backend: BackendKind::Cuda,
-        cap_bytes: Some(1 << 30),
+        cap_bytes: Some(cap),
         validate: true,
         ..Options::default()
     })
     .unwrap();
     bind(&a);
+    Some(a)
+}
+
+#[test]
+fn allocation_during_graph_capture_is_refused() {
+    let Some(a) = cuda_allocator(1 << 30) else { return };
     let s = a.driver().create_stream().unwrap();
     let before = a.malloc_async(4 << 20, s).unwrap();
     let stream = s.0 as sys::CUstream;
@@ -66,18 +73,7 @@ fn allocation_during_graph_capture_is_refused() {
 /// its calls with the thread's capture mode relaxed (`driver/cuda.rs: relaxed`).
 #[test]
 fn allocation_beside_a_global_mode_capture_leaves_it_valid() {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping: {why}");
-        return;
-    }
-    let a = Allocator::new(Options {
-        backend: BackendKind::Cuda,
-        cap_bytes: Some(4 << 30),
-        validate: true,
-        ..Options::default()
-    })
-    .unwrap();
-    bind(&a);
+    let Some(a) = cuda_allocator(4 << 30) else { return };
     let s = a.driver().create_stream().unwrap();
     let other = a.driver().create_stream().unwrap();
     let stream = s.0 as sys::CUstream;
@@ -132,18 +128,7 @@ fn ok(r: sys::CUresult) {
 /// released pool gives everything back.
 #[test]
 fn allocation_in_a_capture_begun_into_a_pool_is_baked_into_the_graph() {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping: {why}");
-        return;
-    }
-    let a = Allocator::new(Options {
-        backend: BackendKind::Cuda,
-        cap_bytes: Some(4 << 30),
-        validate: true,
-        ..Options::default()
-    })
-    .unwrap();
-    bind(&a);
+    let Some(a) = cuda_allocator(4 << 30) else { return };
     let (s, other) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
     let stream = s.0 as sys::CUstream;
     let pool = (0, 42);

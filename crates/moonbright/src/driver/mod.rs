@@ -271,8 +271,12 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Whether `stream` is being captured into a CUDA graph.
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool>;
     /// The id of the capture `stream` is part of (unique in the process), or `None` when it is
-    /// not being captured. Counted as `StreamIsCapturing`.
-    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>>;
+    /// not being captured, or the backend cannot tell (the default: its captures are then
+    /// refused, as without a graph pool). Counted as `StreamIsCapturing`.
+    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
+        let _ = stream;
+        Ok(None)
+    }
 }
 
 /// Counts of driver calls by kind.
