@@ -247,3 +247,21 @@ fn a_pool_takes_no_memory_a_stream_may_still_use() {
     host(&a).release_stream(null);
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn out_of_memory_inside_a_capture_changes_nothing() {
+    let a = Allocator::new(Options { cap_bytes: Some(8 * PAGE as u64), ..opts() }).unwrap();
+    let s = streams(&a, 1)[0];
+    capture(&a, s, POOL);
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    a.free_async(p, s).unwrap();
+    let (allocations, free) = (a.stats().allocations.current, a.graph_pool_free());
+    assert!(matches!(a.malloc_async(6 * PAGE, s), Err(Error::OutOfMemory { .. })));
+    assert_eq!((a.stats().allocations.current, a.graph_pool_free()), (allocations, free));
+    a.driver().fail_nth(CallKind::Create, 1, None);
+    assert!(matches!(a.malloc_async(5 * PAGE, s), Err(Error::Driver(_))));
+    assert_eq!((a.stats().allocations.current, a.graph_pool_free()), (allocations, free));
+    assert_eq!(a.malloc_async(3 * PAGE, s), Ok(p), "the pool still serves its block");
+    end(&a, s);
+    a.check_invariants().unwrap();
+}
