@@ -208,6 +208,9 @@ pub(crate) struct Heap {
     growables: BTreeMap<u64, Growable>,
     /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
     fresh_pages: u64,
+    /// Set by `release_unused` (`retire_all_free`), cleared by the next allocation: the mapper
+    /// refills no window meanwhile, not even its minimum, so that what was given back stays so.
+    window_paused: bool,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
     last_request_map: Option<std::time::Instant>,
     /// Events the background worker created ahead of need, for frees on any stream that has no
@@ -255,6 +258,7 @@ impl Heap {
             unmapping_private: Vec::new(),
             growables: BTreeMap::new(),
             fresh_pages: 0,
+            window_paused: false,
             last_request_map: None,
             event_stock: Vec::new(),
             records_in_flight: 0,
@@ -444,6 +448,7 @@ impl Heap {
     }
 
     fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
+        self.window_paused = false;
         if matches!(backing, Backing::Sub { .. }) {
             self.stats.subpage_allocations += 1;
         }
@@ -1371,8 +1376,20 @@ impl Heap {
         ranges.chain(window).chain(growables).collect()
     }
 
-    /// Retires every cached range and the window, for `release_unused`.
+    /// Whether an unmap batch taken out of the queue has not committed yet.
+    pub fn unmaps_in_flight(&self) -> bool {
+        self.unmapping > 0
+    }
+
+    /// Whether the mapper must leave the window empty (`window_paused`).
+    pub fn window_paused(&self) -> bool {
+        self.window_paused
+    }
+
+    /// Retires every cached range and the window, for `release_unused`, and pauses the window
+    /// until the next allocation.
     pub fn retire_all_free(&mut self) {
+        self.window_paused = true;
         while let Some((&seq, _)) = self.cached_lru.iter().next() {
             self.steal_cached(seq);
         }

@@ -555,6 +555,13 @@ impl Shared {
         self.poll_events();
         self.heap().retire_all_free();
         self.flush()?;
+        // The worker may hold some of those ranges in an unmap batch of its own: let it land
+        // (it takes milliseconds), so that their chunks are released here too.
+        let start = std::time::Instant::now();
+        while self.heap().unmaps_in_flight() && start.elapsed() < MAX_WAIT {
+            pause(WAIT_STEP);
+        }
+        self.flush()?;
         let (claim, chunks) = self.heap().take_releasable();
         let mut released = vec![false; chunks.len()];
         let mut first_error = None;
