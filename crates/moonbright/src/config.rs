@@ -72,8 +72,7 @@ pub struct Options {
     /// and keeps the mapped window filled. Without it, this work happens on the slow path of
     /// requests and in `flush`.
     pub background: bool,
-    /// Smallest mapped window the background mapper keeps, in bytes (from the first allocation
-    /// after a `release_unused` on: that call leaves the window empty until then).
+    /// Smallest mapped window the background mapper keeps, in bytes.
     pub prefetch_window_min: u64,
     /// Largest mapped window, in bytes; 0 turns the window off (every new range maps on demand).
     pub prefetch_window_max: u64,

@@ -700,25 +700,3 @@ fn a_failed_capture_check_of_a_recorded_stream_changes_nothing() {
     assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
     a.check_invariants().unwrap();
 }
-
-/// `release_unused` leaves the window empty, its minimum too, until the next allocation: the
-/// background mapper does not map again at once what the user has just given back.
-#[test]
-fn release_unused_pauses_the_window_until_the_next_allocation() {
-    let a = Allocator::new(Options {
-        prefetch_window_min: 8 * PAGE as u64,
-        prefetch_window_max: 16 * PAGE as u64,
-        ..opts(true)
-    })
-    .unwrap();
-    eventually("the minimum window", || a.stats().window_bytes.current >= 8 * PAGE as u64);
-    a.release_unused().unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(a.stats().reserved_bytes.current, 0, "the mapper refilled the window at once");
-    let p = a.malloc(100).unwrap();
-    eventually("the window after an allocation", || {
-        a.stats().window_bytes.current >= 8 * PAGE as u64
-    });
-    a.free(p).unwrap();
-    a.check_invariants().unwrap();
-}

@@ -208,9 +208,6 @@ pub(crate) struct Heap {
     growables: BTreeMap<u64, Growable>,
     /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
     fresh_pages: u64,
-    /// Set by `release_unused` (`retire_all_free`), cleared by the next allocation: the mapper
-    /// refills no window meanwhile, not even its minimum, so that what was given back stays so.
-    window_paused: bool,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
     last_request_map: Option<std::time::Instant>,
     /// Events the background worker created ahead of need, for frees on any stream that has no
@@ -258,7 +255,6 @@ impl Heap {
             unmapping_private: Vec::new(),
             growables: BTreeMap::new(),
             fresh_pages: 0,
-            window_paused: false,
             last_request_map: None,
             event_stock: Vec::new(),
             records_in_flight: 0,
@@ -448,7 +444,6 @@ impl Heap {
     }
 
     fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
-        self.window_paused = false;
         if matches!(backing, Backing::Sub { .. }) {
             self.stats.subpage_allocations += 1;
         }
@@ -1381,15 +1376,8 @@ impl Heap {
         self.unmapping > 0
     }
 
-    /// Whether the mapper must leave the window empty (`window_paused`).
-    pub fn window_paused(&self) -> bool {
-        self.window_paused
-    }
-
-    /// Retires every cached range and the window, for `release_unused`, and pauses the window
-    /// until the next allocation.
+    /// Retires every cached range and the window, for `release_unused`.
     pub fn retire_all_free(&mut self) {
-        self.window_paused = true;
         while let Some((&seq, _)) = self.cached_lru.iter().next() {
             self.steal_cached(seq);
         }

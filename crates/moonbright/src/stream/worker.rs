@@ -101,9 +101,6 @@ impl Worker {
         let plan = {
             let mut heap = shared.heap();
             let rate = self.demand.update(heap.take_fresh_demand());
-            if heap.window_paused() {
-                return false;
-            }
             if heap.requests_mapping_within(QUIET_BEFORE_REFILL) && heap.window_pages() >= min_pages
             {
                 return false;
