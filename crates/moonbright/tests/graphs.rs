@@ -176,6 +176,13 @@ fn mismatched_calls_are_refused_and_change_nothing() {
     assert!(is_pool_error(a.release_graph_pool(POOL)), "no graph");
     capture(&a, s[0], POOL);
     assert!(is_pool_error(a.begin_graph_capture(s[0], (0, 2))), "begun already");
+    // A failed capture query at the begin is the driver's error, and begins nothing.
+    host(&a).begin_capture(s[1]);
+    a.driver().fail_nth(CallKind::StreamIsCapturing, 1, None);
+    assert!(matches!(a.begin_graph_capture(s[1], (0, 3)), Err(Error::Driver(_))));
+    assert_eq!(a.malloc_async(100, s[1]), Err(Error::StreamCapture { stream: s[1].0 }));
+    host(&a).end_capture(s[1]);
+    assert!(is_pool_error(a.end_graph_capture(s[1])), "no capture was begun on s[1]");
     // A capture not begun into a pool is refused as before.
     host(&a).begin_capture(s[1]);
     assert_eq!(a.malloc_async(100, s[1]), Err(Error::StreamCapture { stream: s[1].0 }));

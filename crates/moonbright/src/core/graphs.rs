@@ -66,8 +66,8 @@ pub(crate) struct GraphPools {
     pools: HashMap<PoolId, Pool>,
     /// Captures in progress: capture id -> (pool, capturing stream it was begun on).
     captures: HashMap<u64, (PoolId, u64)>,
-    /// Every block of every pool, live or free: pointer -> pool.
-    owner: HashMap<u64, PoolId>,
+    /// Every block of every pool, live or free: pointer -> (pool, usable bytes).
+    owner: HashMap<u64, (PoolId, u64)>,
     /// Frees of other memory on a stream during a capture: (capture, pointer, stream). No event
     /// can be recorded on a capturing stream, so they are done when the capture ends.
     deferred: Vec<(u64, u64, u64)>,
@@ -174,15 +174,15 @@ impl GraphPools {
         Some(b.ptr)
     }
 
-    /// Makes a new allocation at `ptr` a live block of `pool`.
-    pub fn adopt(&mut self, pool: PoolId, ptr: u64) {
-        self.owner.insert(ptr, pool);
+    /// Makes a new allocation of `size` usable bytes at `ptr` a live block of `pool`.
+    pub fn adopt(&mut self, pool: PoolId, ptr: u64, size: u64) {
+        self.owner.insert(ptr, (pool, size));
         self.pools.entry(pool).or_default().live += 1;
     }
 
-    /// A free of `ptr` (usable size `size`) on `stream`, which is in capture `capture` if any.
-    pub fn free(&mut self, ptr: u64, size: u64, stream: u64, capture: Option<u64>) -> PoolFree {
-        let Some(&pool) = self.owner.get(&ptr) else { return PoolFree::NotPooled };
+    /// A free of `ptr` on `stream`, which is in capture `capture` if any.
+    pub fn free(&mut self, ptr: u64, stream: u64, capture: Option<u64>) -> PoolFree {
+        let Some(&(pool, size)) = self.owner.get(&ptr) else { return PoolFree::NotPooled };
         let p = self.pools.get_mut(&pool).expect("an owned block's pool exists");
         if p.free.iter().any(|b| b.ptr == ptr) {
             return PoolFree::DoubleFree;
@@ -264,13 +264,13 @@ mod tests {
     fn a_block_freed_in_a_capture_is_reused_there_only_on_its_stream() {
         let mut g = GraphPools::default();
         g.begin(7, 100, P).unwrap();
-        g.adopt(P, 0x1000);
-        assert_eq!(g.free(0x1000, 4096, 100, Some(7)), PoolFree::Kept);
+        g.adopt(P, 0x1000, 4096);
+        assert_eq!(g.free(0x1000, 100, Some(7)), PoolFree::Kept);
         assert_eq!(g.reuse(P, 7, 200, 4096, PAGE), None, "another stream of the capture");
-        assert_eq!(g.free(0x1000, 4096, 100, Some(7)), PoolFree::DoubleFree);
+        assert_eq!(g.free(0x1000, 100, Some(7)), PoolFree::DoubleFree);
         assert_eq!(g.reuse(P, 7, 100, 4096, PAGE), Some(0x1000));
         assert_eq!(g.reuse(P, 7, 100, 4096, PAGE), None, "handed out once");
-        assert_eq!(g.free(0x1000, 4096, 100, Some(7)), PoolFree::Kept);
+        assert_eq!(g.free(0x1000, 100, Some(7)), PoolFree::Kept);
         assert_eq!(g.end(100), Some((P, vec![])));
         g.begin(8, 200, P).unwrap();
         assert_eq!(g.reuse(P, 8, 200, 4096, PAGE), Some(0x1000), "a later capture, any stream");
@@ -281,8 +281,8 @@ mod tests {
         let mut g = GraphPools::default();
         g.begin(1, 5, P).unwrap();
         for (ptr, size) in [(0xa, 64 * PAGE), (0xb, 8 * PAGE), (0xc, 3 * PAGE)] {
-            g.adopt(P, ptr);
-            g.free(ptr, size, 5, None);
+            g.adopt(P, ptr, size);
+            g.free(ptr, 5, None);
         }
         assert_eq!(g.reuse(P, 1, 5, 100, PAGE), None, "100 bytes would take a 3-page block");
         assert_eq!(g.reuse(P, 1, 5, 2 * PAGE, PAGE), Some(0xc));
@@ -296,11 +296,11 @@ mod tests {
         let mut g = GraphPools::default();
         g.begin(1, 5, P).unwrap();
         g.begin(2, 6, P).unwrap();
-        g.adopt(P, 0xa);
-        g.adopt(P, 0xb);
+        g.adopt(P, 0xa, 4096);
+        g.adopt(P, 0xb, 4096);
         g.end(5);
         g.end(6);
-        g.free(0xa, 4096, 9, None);
+        g.free(0xa, 9, None);
         g.replayed(P, 11);
         g.replayed(P, 11);
         g.replayed(P, 12);
@@ -308,11 +308,11 @@ mod tests {
         let back = g.release(P).unwrap();
         assert_eq!(back, vec![HandBack { ptr: 0xa, stream: 9, uses: vec![11, 12] }]);
         assert!(g.owns(0xb) && g.active(), "0xb is still live");
-        assert_eq!(g.free(0xb, 4096, 5, None), PoolFree::HandBack { uses: vec![11, 12] });
+        assert_eq!(g.free(0xb, 5, None), PoolFree::HandBack { uses: vec![11, 12] });
         assert!(!g.owns(0xb) && !g.active());
         assert_eq!(g.pools(), 0);
         assert!(g.release(P).is_err(), "no graph left to release");
-        assert_eq!(g.free(0xb, 4096, 5, None), PoolFree::NotPooled);
+        assert_eq!(g.free(0xb, 5, None), PoolFree::NotPooled);
     }
 
     #[test]

@@ -97,7 +97,8 @@ impl Shared {
             Some((_, Some(ptr))) => Ok(ptr),
             Some((pool, None)) => {
                 let ptr = self.malloc_on(size, GRAPH_STREAM)?;
-                self.with_graphs(|g| g.adopt(pool, ptr));
+                let usable = self.heap().usable_size(ptr).unwrap_or(size);
+                self.with_graphs(|g| g.adopt(pool, ptr, usable));
                 Ok(ptr)
             }
         }
@@ -132,8 +133,7 @@ impl Shared {
                 live && capture.is_some_and(|c| self.with_graphs(|g| g.defer_free(c, ptr, s)));
             return deferred.then_some(Ok(()));
         }
-        let size = self.heap().usable_size(ptr).unwrap_or(0);
-        match self.with_graphs(|g| g.free(ptr, size, s, capture)) {
+        match self.with_graphs(|g| g.free(ptr, s, capture)) {
             PoolFree::NotPooled => None,
             PoolFree::Kept => Some(Ok(())),
             PoolFree::DoubleFree => Some(Err(Error::DoubleFree { ptr })),
