@@ -63,14 +63,21 @@ memory stays the pool's, for later captures into it, until the pool's last graph
 deleted, and then goes back ordered after the streams the graphs were replayed on. A block
 freed inside a capture is reused there only on the stream that freed it. (:func:`enable` wraps
 ``torch.cuda.CUDAGraph``'s methods for this, since the pluggable-allocator interface offers
-PyTorch's capture hooks only to C++.) Free blocks of graph pools count as allocated in the
-statistics; :func:`moonbright.graph_pool_free` gives them. ``torch.compile(mode="reduce-overhead")``
-still fails under :func:`enable`, with PyTorch's own "pluggable does not yet support
-checkPoolLiveAllocations" (its CUDA-graph trees call it); modes ``"default"`` and
-``"max-autotune-no-cudagraphs"`` ran under it. In pool mode, PyTorch's caching allocator
-keeps its own graph-private pools and asks MoonBright for segments while capturing
-(``torch.cuda.graph(g, pool=pool.id)``); MoonBright serves them from memory no stream's queued
-work uses (``Allocator::malloc_for_graph``).
+PyTorch's capture hooks only to C++.) A graph pool's free blocks count as reserved, not as
+allocated or active, as under PyTorch's allocator; :func:`moonbright.graph_pool_free` gives
+them.
+
+``torch.compile(mode="reduce-overhead")`` still fails under :func:`enable`, with PyTorch's own
+"pluggable does not yet support checkPoolLiveAllocations": its CUDA-graph trees call allocator
+functions that CUDAPluggableAllocator does not forward. Inductor's plain CUDA graphs
+(``torch._inductor.config.triton.cudagraph_trees = False``) run under MoonBright, but are not
+turned on for you: in PyTorch 2.11 they give wrong results for a compiled function that mutates
+its input, under PyTorch's own allocator too (``bench/results/h200-session14/``). Modes
+``"default"`` and ``"max-autotune-no-cudagraphs"`` run under :func:`enable`.
+
+In pool mode, PyTorch's caching allocator keeps its own graph-private pools and asks MoonBright
+for segments while capturing (``torch.cuda.graph(g, pool=pool.id)``); MoonBright serves them
+from memory no stream's queued work uses (``Allocator::malloc_for_graph``).
 """
 
 from __future__ import annotations

@@ -155,14 +155,55 @@ fn a_handback_held_up_by_a_capture_is_done_later() {
     end(&a, s[0]);
     a.free_async(p, s[0]).unwrap();
     a.graph_replayed(POOL, s[1]);
-    let allocations = a.stats().allocations.current;
+    let reserved = a.stats().reserved_bytes.current;
     // Another capture on the replay stream, not into a pool: no event can be recorded there.
     host(&a).begin_capture(s[1]);
     a.release_graph_pool(POOL).unwrap();
-    assert_eq!(a.stats().allocations.current, allocations, "handed back during the capture");
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, reserved, "handed back during the capture");
     host(&a).end_capture(s[1]);
     a.release_unused().unwrap();
-    assert_eq!(a.stats().allocations.current, allocations - 1, "handed back after it");
+    assert!(a.stats().reserved_bytes.current < reserved, "not handed back after the capture");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pools_free_blocks_count_as_reserved_not_allocated() {
+    // As PyTorch counts a graph-private pool's free blocks, and shows them in its snapshots.
+    let a = Allocator::new(Options { validate: true, ..opts() }).unwrap();
+    let s = streams(&a, 1)[0];
+    let allocated = |a: &Allocator| a.stats().allocated_bytes.current;
+    let active = |a: &Allocator| a.stats().active_bytes.current;
+    let in_use = |a: &Allocator, p: u64| {
+        a.segments().iter().flat_map(|g| &g.blocks).any(|b| {
+            b.addr == p && b.state == moonbright::core::history::BlockState::ActiveAllocated
+        })
+    };
+    let base = (allocated(&a), active(&a));
+    capture(&a, s, POOL);
+    let p = a.malloc_async(3 * PAGE - 100, s).unwrap();
+    let q = a.malloc_async(1000, s).unwrap();
+    let (reserved, allocations) = (a.stats().reserved_bytes.current, a.stats().allocations.current);
+    assert_eq!(allocated(&a), base.0 + 3 * PAGE as u64 - 100 + 1000);
+    a.free_async(p, s).unwrap();
+    assert_eq!(allocated(&a), base.0 + 1000, "a pool's free block still counts as allocated");
+    assert_eq!(active(&a), base.1 + 256 * 4, "or as active");
+    assert_eq!(a.stats().allocations.current, allocations - 1);
+    assert_eq!(a.stats().reserved_bytes.current, reserved, "it stays reserved");
+    assert!(!in_use(&a, p) && in_use(&a, q), "the snapshot shows it in use");
+    // Reused by a smaller request: counted again, at the new size, whole pages active.
+    assert_eq!(a.malloc_async(2 * PAGE + 5, s), Ok(p));
+    assert_eq!(allocated(&a), base.0 + 2 * PAGE as u64 + 5 + 1000);
+    assert_eq!(active(&a), base.1 + 3 * PAGE as u64 + 256 * 4);
+    assert!(in_use(&a, p));
+    end(&a, s);
+    a.free_async(p, s).unwrap();
+    a.free_async(q, s).unwrap();
+    assert_eq!((allocated(&a), active(&a)), base);
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!((allocated(&a), active(&a)), base, "handed back without counting it twice");
+    assert_eq!(a.graph_pool_free(), (0, 0));
+    a.release_unused().unwrap();
     a.check_invariants().unwrap();
 }
 

@@ -93,6 +93,9 @@ struct Live {
     /// Other streams whose work uses it (`record_use`), if any: a free on a stream waits for
     /// them too.
     uses: Vec<u64>,
+    /// Freed by its user into the graph pool that owns it (`pool_keep`): still the pool's and
+    /// mapped, but no longer counted as allocated or active, nor shown as a block in use.
+    pooled: bool,
 }
 
 /// What a plan in flight, or a release in flight, holds until it commits.
@@ -447,13 +450,11 @@ impl Heap {
         if matches!(backing, Backing::Sub { .. }) {
             self.stats.subpage_allocations += 1;
         }
-        self.stats.allocated_bytes.add(size);
-        self.stats.active_bytes.add(rounded);
-        self.stats.rounding_waste_bytes.add(rounded - size);
-        self.stats.allocations.add(1);
+        self.count(size, rounded);
         self.recent_free_gen.remove(&ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
-        let prev = self.live.insert(ptr, Live { size, rounded, stream, backing, uses: Vec::new() });
+        let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false };
+        let prev = self.live.insert(ptr, live);
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }
 
@@ -489,12 +490,53 @@ impl Heap {
         let Some(live) = live else {
             return Err(self.classify_bad_free(ptr));
         };
-        self.stats.allocated_bytes.sub(live.size);
-        self.stats.active_bytes.sub(live.rounded);
-        self.stats.rounding_waste_bytes.sub(live.rounded - live.size);
-        self.stats.allocations.sub(1);
+        // A pooled block left the counts when its pool kept it.
+        if !live.pooled {
+            self.uncount(live.size, live.rounded);
+        }
         self.remember_free(ptr);
         Ok(Some(live))
+    }
+
+    /// Adds an allocation of `size` bytes (`rounded` held) to the statistics.
+    fn count(&mut self, size: u64, rounded: u64) {
+        self.stats.allocated_bytes.add(size);
+        self.stats.active_bytes.add(rounded);
+        self.stats.rounding_waste_bytes.add(rounded - size);
+        self.stats.allocations.add(1);
+    }
+
+    /// Takes an allocation of `size` bytes (`rounded` held) out of the statistics.
+    fn uncount(&mut self, size: u64, rounded: u64) {
+        self.stats.allocated_bytes.sub(size);
+        self.stats.active_bytes.sub(rounded);
+        self.stats.rounding_waste_bytes.sub(rounded - size);
+        self.stats.allocations.sub(1);
+    }
+
+    // ---- graph pools' blocks --------------------------------------------------------------------
+
+    /// A graph pool keeps the block at `ptr` that its user freed: it stays live here (the
+    /// pool's, mapped), but no longer counts as allocated or active, as PyTorch counts a
+    /// graph-private pool's free blocks, and shows as free space in `segments`. The history
+    /// keeps it allocated until the pool hands it back to the heap, so that its events pair up.
+    /// Does nothing to a block not live, or kept already.
+    pub fn pool_keep(&mut self, ptr: u64) {
+        let Some(live) = self.live.get_mut(&ptr).filter(|l| !l.pooled) else { return };
+        live.pooled = true;
+        let (size, rounded) = (live.size, live.rounded);
+        self.uncount(size, rounded);
+    }
+
+    /// A graph pool hands its kept block at `ptr` to a request of `size` bytes on `stream`: it
+    /// counts as allocated again. Does nothing to a block not kept.
+    pub fn pool_reuse(&mut self, ptr: u64, size: u64, stream: u64) {
+        let Some(live) = self.live.get_mut(&ptr).filter(|l| l.pooled) else { return };
+        live.pooled = false;
+        live.size = size.min(live.rounded);
+        live.stream = stream;
+        let (size, rounded) = (live.size, live.rounded);
+        self.count(size, rounded);
     }
 
     /// Remembers a freed pointer, to tell a double free from an unknown pointer.
@@ -1468,6 +1510,11 @@ impl Heap {
                 Backing::Sub { arena, .. } => arena,
             };
             streams.insert(id, l.stream);
+            if l.pooled {
+                // A graph pool's free block: free space of the range, as PyTorch shows it.
+                by_range.entry(id).or_default();
+                continue;
+            }
             by_range.entry(id).or_default().push(BlockInfo {
                 addr: ptr,
                 size: l.rounded,
@@ -1679,8 +1726,10 @@ impl Heap {
         let mut allocated = grow_allocated;
         let mut active = grow_active;
         for (&ptr, l) in &self.live {
-            allocated += l.size;
-            active += l.rounded;
+            if !l.pooled {
+                allocated += l.size;
+                active += l.rounded;
+            }
             let (id, off) = match l.backing {
                 Backing::Range(id) => (id, 0),
                 Backing::Sub { arena, offset } => (arena, offset),

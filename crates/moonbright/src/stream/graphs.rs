@@ -90,7 +90,11 @@ impl Shared {
         let found = self.with_graphs(|g| {
             let capture = capture?;
             let pool = g.pool_of_capture(capture)?;
-            Some((pool, g.reuse(pool, capture, stream.0, size, page)))
+            let reused = g.reuse(pool, capture, stream.0, size, page);
+            if let Some(ptr) = reused {
+                self.heap().pool_reuse(ptr, size, stream.0);
+            }
+            Some((pool, reused))
         });
         match found {
             None => Err(Error::StreamCapture { stream: stream.0 }),
@@ -133,7 +137,15 @@ impl Shared {
                 live && capture.is_some_and(|c| self.with_graphs(|g| g.defer_free(c, ptr, s)));
             return deferred.then_some(Ok(()));
         }
-        match self.with_graphs(|g| g.free(ptr, s, capture)) {
+        let outcome = self.with_graphs(|g| {
+            let outcome = g.free(ptr, s, capture);
+            if matches!(outcome, PoolFree::Kept | PoolFree::HandBack { .. }) {
+                // Under the pools' lock, so that no capture reuses the block before it is kept.
+                self.heap().pool_keep(ptr);
+            }
+            outcome
+        });
+        match outcome {
             PoolFree::NotPooled => None,
             PoolFree::Kept => Some(Ok(())),
             PoolFree::DoubleFree => Some(Err(Error::DoubleFree { ptr })),
@@ -165,8 +177,9 @@ impl Shared {
         first.map_or(Ok(()), Err)
     }
 
-    /// Runs `f` on the graph pools under their lock (never held with the heap's), and keeps
-    /// `graphs_active` in step.
+    /// Runs `f` on the graph pools under their lock, and keeps `graphs_active` in step. `f` may
+    /// take the heap's lock (to count a pool's block in or out); nothing takes the pools' lock
+    /// while holding the heap's.
     fn with_graphs<T>(&self, f: impl FnOnce(&mut crate::core::graphs::GraphPools) -> T) -> T {
         let mut g = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let out = f(&mut g);
