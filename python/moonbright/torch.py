@@ -67,6 +67,18 @@ PyTorch's capture hooks only to C++.) A graph pool's free blocks count as reserv
 allocated or active, as under PyTorch's allocator; :func:`moonbright.graph_pool_free` gives
 them.
 
+PyTorch's contract, for the fastest hot path:
+``MOONBRIGHT_ALLOC_CONF=captures_announced:true,deferred_free_events:true``. By default every
+allocation asks the driver whether its stream is being captured (``cuStreamIsCapturing``, about
+0.4 µs on an H200), and every free asks again and records an event (about 0.5 µs). With
+``captures_announced`` it asks only while a capture through ``torch.cuda.CUDAGraph`` is in
+progress (the wrapper announces it), as PyTorch's own allocator learns of captures only from it:
+a capture begun another way (``cudaStreamBeginCapture`` from C++, behind PyTorch's back) is then
+not seen, and memory allocated inside it is not kept for its graph; by default such a capture's
+requests are refused. With ``deferred_free_events`` the background worker records one event per
+stream for its latest frees, so streams must outlive the allocator (PyTorch's own do; a
+``torch.cuda.ExternalStream`` must too). With both, a cache hit makes no driver call.
+
 ``torch.compile(mode="reduce-overhead")`` still fails under :func:`enable`, with PyTorch's own
 "pluggable does not yet support checkPoolLiveAllocations": its CUDA-graph trees call allocator
 functions that CUDAPluggableAllocator does not forward. Inductor's plain CUDA graphs
@@ -250,9 +262,11 @@ def _patch_graphs(torch: Any) -> None:
     hooks that Python cannot set (torch/csrc/cuda/CUDAPluggableAllocator.cpp). The graph's
     Python methods are wrapped instead, and each calls PyTorch's own first:
 
-    - ``capture_begin``: :func:`moonbright.begin_graph_capture` for the capturing stream and
-      the pool passed (shared with the graphs captured into it), or a fresh one;
-    - ``capture_end``: :func:`moonbright.end_graph_capture`;
+    - ``capture_begin``: :func:`moonbright.capture_starting` before PyTorch's (see option
+      ``captures_announced``), then :func:`moonbright.begin_graph_capture` for the capturing
+      stream and the pool passed (shared with the graphs captured into it), or a fresh one;
+    - ``capture_end``: :func:`moonbright.end_graph_capture` and
+      :func:`moonbright.capture_finished`;
     - ``replay``: :func:`moonbright.graph_replayed` for the current stream, once a stream;
     - ``reset`` and ``__del__``: :func:`moonbright.release_graph_pool`, once a capture.
 
@@ -279,8 +293,16 @@ def _patch_graphs(torch: Any) -> None:
     fresh = iter(range(1, 1 << 62))
 
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
-        originals["capture_begin"](self, *args, **kwargs)
         device = int(torch.cuda.current_device())
+        # Announced before the capture begins and until it has ended: with option
+        # captures_announced, streams are checked for a capture only meanwhile.
+        moonbright.capture_starting(device)
+        self.__dict__["_moonbright_announced"] = device
+        try:
+            originals["capture_begin"](self, *args, **kwargs)
+        except BaseException:
+            finish_announced(self)
+            raise
         stream = int(torch.cuda.current_stream(device).cuda_stream)
         given = args[0] if args else kwargs.get("pool")
         if given is None:
@@ -297,6 +319,11 @@ def _patch_graphs(torch: Any) -> None:
             "device": device, "stream": stream, "pool": pool, "ended": False, "replayed": set()
         }
 
+    def finish_announced(self: Any) -> None:
+        device = self.__dict__.pop("_moonbright_announced", None)
+        if device is not None:
+            moonbright.capture_finished(device)
+
     def end_capture(state: dict[str, Any]) -> None:
         if not state["ended"]:
             state["ended"] = True
@@ -306,6 +333,7 @@ def _patch_graphs(torch: Any) -> None:
         try:
             originals["capture_end"](self)
         finally:
+            finish_announced(self)
             state = self.__dict__.get("_moonbright")
             if state is not None:
                 try:
@@ -325,6 +353,7 @@ def _patch_graphs(torch: Any) -> None:
                 moonbright.graph_replayed(state["pool"], stream, state["device"])
 
     def release(self: Any) -> None:
+        finish_announced(self)  # a capture abandoned without capture_end
         state = self.__dict__.pop("_moonbright", None)
         if state is None:
             return

@@ -276,6 +276,9 @@ def test_graph_pool_calls_without_a_capture_are_refused():
         moonbright.release_graph_pool((0, 1))
     moonbright.graph_replayed((0, 1), 0)
     assert moonbright.graph_pool_free() == (0, 0)
+    moonbright.capture_starting()
+    moonbright.capture_finished()
+    moonbright.capture_finished()  # an extra finish is ignored
     moonbright.check_invariants()
 
 

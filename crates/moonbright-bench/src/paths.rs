@@ -43,6 +43,9 @@ pub enum MbMode {
     /// The same size again and again: after the first, every request is a cache hit (an arena
     /// carve below a page).
     Cache,
+    /// The same under PyTorch's contract (`captures_announced`, `deferred_free_events`): no
+    /// capture query and no event record, so a hit makes no driver call.
+    CacheTorchContract,
     /// A fresh range each time: allocations stay live (so no freed range is cached to serve the
     /// next one), served from the window the background mapper keeps mapped at the frontier, in
     /// runs of `run_len(size)` hits back to back. At the start of a run `prepare` waits
@@ -131,6 +134,11 @@ impl Mb {
             // The default window: it grows with fresh demand, and a run of cache hits has none,
             // so the mapper stays idle as in any steady state.
             MbMode::Cache => mb_options(None, crate::max_chunk(), crate::default_window(), true),
+            MbMode::CacheTorchContract => moonbright::Options {
+                captures_announced: true,
+                deferred_free_events: true,
+                ..mb_options(None, crate::max_chunk(), crate::default_window(), true)
+            },
             MbMode::Window => {
                 mb_options(None, crate::max_chunk(), (run_window(size), run_window(size)), true)
             }
@@ -225,7 +233,7 @@ impl Mb {
 impl AllocPath for Mb {
     fn prepare(&mut self) -> Res<()> {
         match self.mode {
-            MbMode::Cache => Ok(()),
+            MbMode::Cache | MbMode::CacheTorchContract => Ok(()),
             MbMode::Window => {
                 let len = run_len(self.next_window_size);
                 if !self.run.starts_run(len) {

@@ -444,6 +444,27 @@ int mb_begin_graph_capture(struct mb_allocator *alloc,
                            uint64_t pool_lo);
 
 /**
+ * Announces that a CUDA graph capture is about to begin on one of the allocator's device's
+ * streams (call it before `cuStreamBeginCapture`). With option `captures_announced:true`,
+ * streams are checked for a capture (`cuStreamIsCapturing`) only between this and the matching
+ * `mb_capture_finished`. Returns `MB_ERR_INVALID_ARGUMENT` for a NULL handle.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_capture_starting(struct mb_allocator *alloc);
+
+/**
+ * Announces that a capture announced with `mb_capture_starting` has ended (after
+ * `cuStreamEndCapture`) or failed to begin. Extra calls are ignored. Returns
+ * `MB_ERR_INVALID_ARGUMENT` for a NULL handle.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_capture_finished(struct mb_allocator *alloc);
+
+/**
  * Ends the capture begun on `stream` by `mb_begin_graph_capture`, after `cuStreamEndCapture`.
  * Returns `MB_ERR_STREAM_CAPTURE` if none was begun there.
  *

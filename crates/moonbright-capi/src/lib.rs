@@ -557,6 +557,37 @@ pub unsafe extern "C" fn mb_begin_graph_capture(
     })
 }
 
+/// Announces that a CUDA graph capture is about to begin on one of the allocator's device's
+/// streams (call it before `cuStreamBeginCapture`). With option `captures_announced:true`,
+/// streams are checked for a capture (`cuStreamIsCapturing`) only between this and the matching
+/// `mb_capture_finished`. Returns `MB_ERR_INVALID_ARGUMENT` for a NULL handle.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_capture_starting(alloc: *mut mb_allocator) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        unsafe { allocator(alloc) }?.capture_starting();
+        Ok(())
+    })
+}
+
+/// Announces that a capture announced with `mb_capture_starting` has ended (after
+/// `cuStreamEndCapture`) or failed to begin. Extra calls are ignored. Returns
+/// `MB_ERR_INVALID_ARGUMENT` for a NULL handle.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_capture_finished(alloc: *mut mb_allocator) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        unsafe { allocator(alloc) }?.capture_finished();
+        Ok(())
+    })
+}
+
 /// Ends the capture begun on `stream` by `mb_begin_graph_capture`, after `cuStreamEndCapture`.
 /// Returns `MB_ERR_STREAM_CAPTURE` if none was begun there.
 ///

@@ -495,6 +495,11 @@ fn graph_pool_calls_that_match_no_capture_are_refused() {
         assert_eq!(mb_release_graph_pool(a, 0, 1), MB_ERR_STREAM_CAPTURE);
         assert_eq!(mb_graph_replayed(a, 0, 1, s), MB_OK);
         assert_eq!(mb_begin_graph_capture(ptr::null_mut(), s, 0, 1), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_capture_starting(a), MB_OK);
+        assert_eq!(mb_capture_finished(a), MB_OK);
+        assert_eq!(mb_capture_finished(a), MB_OK, "an extra finish is ignored");
+        assert_eq!(mb_capture_starting(ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_capture_finished(ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
         let mut p = 0u64;
         assert_eq!(mb_malloc(a, 100, &mut p), MB_OK, "the allocator still works");
         assert_eq!(mb_free(a, p), MB_OK);

@@ -707,6 +707,25 @@ fn begin_graph_capture(stream: u64, pool: (u64, u64), device: Option<i32>) -> Py
     get(device)?.begin_graph_capture(StreamHandle(stream), pool).map_err(|e| py_err(e.to_string()))
 }
 
+/// Announces that a CUDA graph capture is about to begin on `device` (before the driver begins
+/// it). With option `captures_announced:true`, streams are checked for a capture only between
+/// this and the matching `capture_finished`. `moonbright.torch.enable()` calls both from
+/// `torch.cuda.CUDAGraph`.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn capture_starting(device: Option<i32>) -> PyResult<()> {
+    get(device)?.capture_starting();
+    Ok(())
+}
+
+/// Announces that a capture announced with `capture_starting` has ended, or failed to begin.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn capture_finished(device: Option<i32>) -> PyResult<()> {
+    get(device)?.capture_finished();
+    Ok(())
+}
+
 /// Ends the capture begun on `stream` by `begin_graph_capture`, after the graph's capture ended.
 #[pyfunction]
 #[pyo3(signature = (stream, device=None))]
@@ -798,6 +817,8 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_invariants, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(begin_graph_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_starting, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_finished, m)?)?;
     m.add_function(wrap_pyfunction!(end_graph_capture, m)?)?;
     m.add_function(wrap_pyfunction!(graph_replayed, m)?)?;
     m.add_function(wrap_pyfunction!(release_graph_pool, m)?)?;

@@ -213,6 +213,7 @@ impl Allocator {
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
             window_slab_pages: (options.prefetch_window_max / page).max(512),
             reuse_addresses: options.reuse_addresses,
+            defer_free_events: options.deferred_free_events,
         };
         let background = options.background;
         let shared = Arc::new(Shared::new(driver, Heap::new(lim), options));
@@ -443,10 +444,25 @@ impl Allocator {
         self.shared.release_graph_pool(pool)
     }
 
-    /// Blocks and bytes graph pools hold free for their graphs (counted as allocated in
-    /// [`stats`](Self::stats): the graphs use them).
+    /// Blocks and bytes graph pools hold free for their graphs (counted as reserved, not as
+    /// allocated, in [`stats`](Self::stats), as PyTorch counts its graph pools' free blocks).
     pub fn graph_pool_free(&self) -> (usize, u64) {
         self.shared.graph_pool_free()
+    }
+
+    /// Announces that a CUDA graph capture is about to begin on one of this device's streams
+    /// (call it before `cuStreamBeginCapture`). With [`Options::captures_announced`], streams
+    /// are checked for a capture only from here to the matching
+    /// [`capture_finished`](Self::capture_finished); without it, this only counts.
+    pub fn capture_starting(&self) {
+        self.shared.capture_starting()
+    }
+
+    /// Announces that a capture announced with [`capture_starting`](Self::capture_starting) has
+    /// ended (after `cuStreamEndCapture`), or failed to begin. Calls beyond the announced ones
+    /// are ignored.
+    pub fn capture_finished(&self) {
+        self.shared.capture_finished()
     }
 
     /// Grants device `peer` access to this allocator's memory, mapped now and later, so that

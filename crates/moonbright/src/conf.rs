@@ -40,6 +40,14 @@ pub const KEYS: &[(&str, &str)] = &[
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
+    (
+        "captures_announced",
+        "true or false: look for CUDA graph captures only while one is announced (as PyTorch's allocator)",
+    ),
+    (
+        "deferred_free_events",
+        "true or false: frees record no event; the worker records one per stream later (streams must outlive the allocator)",
+    ),
     ("validate", "true or false"),
 ];
 
@@ -183,6 +191,12 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         }
         "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "captures_announced" => {
+            opts.captures_announced = parse_bool(v).ok_or_else(|| bad(name, v))?;
+        }
+        "deferred_free_events" => {
+            opts.deferred_free_events = parse_bool(v).ok_or_else(|| bad(name, v))?;
+        }
         "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
         _ => unreachable!("every key in KEYS is handled"),
     }

@@ -208,6 +208,72 @@ fn a_pools_free_blocks_count_as_reserved_not_allocated() {
 }
 
 #[test]
+fn with_captures_announced_streams_are_checked_only_while_one_is() {
+    let a = Allocator::new(Options { captures_announced: true, ..opts() }).unwrap();
+    let s = streams(&a, 1)[0];
+    let checks = || a.stats().driver_calls.get(CallKind::StreamIsCapturing);
+    let p = a.malloc_async(PAGE, s).unwrap();
+    a.free_async(p, s).unwrap();
+    assert_eq!(checks(), 0, "no capture announced, yet the stream was checked");
+
+    a.capture_starting();
+    host(&a).begin_capture(s);
+    assert_eq!(a.malloc_async(100, s), Err(Error::StreamCapture { stream: s.0 }));
+    a.begin_graph_capture(s, POOL).unwrap();
+    let q = a.malloc_async(100, s).unwrap();
+    end(&a, s);
+    a.capture_finished();
+    assert!(checks() > 0);
+    let before = checks();
+    a.free_async(q, s).unwrap();
+    let r = a.malloc_async(PAGE, s).unwrap();
+    assert_eq!(checks(), before, "checked after the capture finished");
+
+    // The contract: a capture not announced is not seen (PyTorch's allocator's, too).
+    host(&a).begin_capture(s);
+    let unseen = a.malloc_async(PAGE, s);
+    host(&a).end_capture(s);
+    assert!(unseen.is_ok(), "an unannounced capture was seen: {unseen:?}");
+    a.free_async(unseen.unwrap(), s).unwrap();
+
+    // Extra finishes are ignored: the next announcement still counts.
+    a.capture_finished();
+    a.capture_starting();
+    host(&a).begin_capture(s);
+    assert_eq!(a.free_async(r, s), Err(Error::StreamCapture { stream: s.0 }));
+    host(&a).end_capture(s);
+    a.capture_finished();
+    a.free_async(r, s).unwrap();
+    a.release_graph_pool(POOL).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn events_left_to_later_never_land_in_a_capture() {
+    // With deferred_free_events a free's event is recorded later, by another thread or call
+    // than the free: never on a stream being captured (it would join the graph).
+    for announced in [false, true] {
+        let o = Options { deferred_free_events: true, captures_announced: announced, ..opts() };
+        let a = Allocator::new(o).unwrap();
+        let s = streams(&a, 1)[0];
+        let p = a.malloc_async(3 * PAGE, s).unwrap();
+        a.free_async(p, s).unwrap();
+        a.capture_starting();
+        host(&a).begin_capture(s);
+        a.poll();
+        a.release_unused().unwrap();
+        assert_eq!(records(&a), 0, "recorded on a capturing stream (announced: {announced})");
+        host(&a).end_capture(s);
+        a.capture_finished();
+        assert_eq!(a.take_deferred_error(), None);
+        a.poll();
+        assert_eq!(records(&a), 1, "not recorded after the capture (announced: {announced})");
+        a.release_unused().unwrap();
+        assert_eq!(a.stats().reserved_bytes.current, 0);
+    }
+}
+
+#[test]
 fn mismatched_calls_are_refused_and_change_nothing() {
     let a = Allocator::new(opts()).unwrap();
     let s = streams(&a, 2);

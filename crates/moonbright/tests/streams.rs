@@ -700,3 +700,53 @@ fn a_failed_capture_check_of_a_recorded_stream_changes_nothing() {
     assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p);
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn deferred_free_events_are_recorded_later_and_order_reuse_the_same() {
+    let a = Allocator::new(Options { deferred_free_events: true, ..opts(false) }).unwrap();
+    let s = streams(&a, 2);
+    let records = || a.stats().driver_calls.get(CallKind::EventRecord);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    stamp(&a, p, 3 * PAGE, 1).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    assert_eq!(records(), 0, "the free recorded its own event");
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]), Ok(p), "the freeing stream reuses at once");
+    a.free_async(p, s[0]).unwrap();
+
+    // Another stream waits for an event recorded after the free, and for its completion.
+    let q = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert_ne!(q, p);
+    assert!(!a.poll(), "completed while the stream is held");
+    assert_eq!(records(), 1, "poll records the event the free left");
+    let q2 = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert_ne!(q2, p, "handed to another stream before its event completed");
+    assert!(verify(&a, p, 3 * PAGE, 1).unwrap());
+    host(&a).release_stream(s[0]);
+    assert!(a.poll());
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]), Ok(p), "not reused after the event completed");
+    for x in [p, q, q2] {
+        a.free_async(x, s[1]).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn deferred_free_events_come_from_the_worker_and_release_unused() {
+    let o = Options { deferred_free_events: true, prefetch_window_max: 0, ..opts(true) };
+    let a = Allocator::new(o).unwrap();
+    let s = streams(&a, 2);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    eventually("the worker to record and poll the free's event", || {
+        a.stats().driver_calls.get(CallKind::EventRecord) > 0 && a.stats().cached_ranges.current > 0
+    });
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]), Ok(p), "another stream reuses it once completed");
+
+    let b = Allocator::new(Options { deferred_free_events: true, ..opts(false) }).unwrap();
+    let s = streams(&b, 1)[0];
+    let p = b.malloc_async(5 * PAGE, s).unwrap();
+    b.free_async(p, s).unwrap();
+    b.release_unused().unwrap();
+    assert_eq!(b.stats().reserved_bytes.current, 0, "release_unused left a deferred free's memory");
+}

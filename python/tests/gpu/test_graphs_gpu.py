@@ -143,6 +143,46 @@ def test_a_capture_forked_onto_a_second_stream_allocates_on_both():
     assert abs(out["grown"] - control["grown"]) < 1 << 20, (out, control)
 
 
+def test_with_captures_announced_graphs_capture_and_eager_requests_ask_nothing():
+    """Option captures_announced: streams are checked for a capture only while
+    torch.cuda.CUDAGraph has one in progress. The graph still allocates from its pool and
+    replays right; eager requests outside it make no capture query."""
+    body = with_model(
+        """
+        def queries():
+            return moonbright.memory_stats()["moonbright.driver_calls.stream_is_capturing"]
+        static_in = torch.randn(64, 1024, device="cuda")
+        with torch.no_grad():
+            model(static_in)
+        torch.cuda.synchronize()
+        before = queries()
+        for _ in range(1000):
+            t = torch.empty(4096, device="cuda")
+            del t
+        eager = queries() - before
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g):
+            static_out = model(static_in)
+        in_capture = queries() - before - eager
+        held = moonbright.graph_pool_free()
+        x = torch.randn(64, 1024, device="cuda")
+        static_in.copy_(x)
+        g.replay()
+        with torch.no_grad():
+            diff = (static_out - model(x)).abs().max().item()
+        torch.cuda.synchronize()
+        print(json.dumps({"eager": eager, "in_capture": in_capture, "held": list(held),
+                          "diff": diff}))
+        """
+    )
+    out = run(body, conf="captures_announced:true")
+    assert out["eager"] == 0, out
+    assert out["in_capture"] > 0 and out["held"][0] > 0, out
+    assert out["diff"] < 1e-4, out
+    default = run(body)
+    assert default["eager"] >= 2000, f"by default every request and free asks: {default}"
+
+
 def test_graphs_sharing_a_pool_reuse_its_memory():
     """vLLM captures one graph per batch size, largest first, into one pool."""
     out = run(

@@ -89,10 +89,15 @@ print(json.dumps({
 """
 
 
-def test_llama_generate_and_train_bit_identical():
+# PyTorch's own contract for captures and streams: MoonBright's hot path makes no driver call.
+TORCH_CONTRACT = "captures_announced:true,deferred_free_events:true"
+
+
+@pytest.mark.parametrize("conf", ["", TORCH_CONTRACT])
+def test_llama_generate_and_train_bit_identical(conf):
     pytest.importorskip("transformers")
     ref = run("MODE = 'default'\n" + LLAMA)
-    got = run("MODE = 'moonbright'\n" + LLAMA)
+    got = run("MODE = 'moonbright'\n" + LLAMA, conf=conf)
     assert got["stats"]["backend"] == "cuda"
     assert got["stats"]["summary"]
     assert 0 < got["stats"]["allocated"] <= got["stats"]["max_allocated"] <= got["stats"]["reserved"]
@@ -287,18 +292,19 @@ print(json.dumps(out))
 """
 
 
-def test_record_stream_keeps_memory_from_its_own_stream_until_the_side_stream_is_done():
+@pytest.mark.parametrize("conf", ["", TORCH_CONTRACT])
+def test_record_stream_keeps_memory_from_its_own_stream_until_the_side_stream_is_done(conf):
     """A tensor read on a side stream, recorded there, and freed on its own stream: the next
     allocation of the same size on its own stream must not get its memory while the side stream
     still has to read it. The control run, without record_stream, shows the hazard is real:
     the same-stream reuse happens at once (and the side stream then reads the new values)."""
-    out = run("RECORD = True\n" + RECORD_STREAM)
+    out = run("RECORD = True\n" + RECORD_STREAM, conf=conf)
     for numel in ("16777216", "250"):
         assert out[numel]["side_busy"], out
         assert not out[numel]["reused_early"], out
         assert out[numel]["side_read_ok"], out
     assert out["joined_frees"] == 2, out
-    control = run("RECORD = False\n" + RECORD_STREAM)
+    control = run("RECORD = False\n" + RECORD_STREAM, conf=conf)
     for numel in ("16777216", "250"):
         assert control[numel]["side_busy"], control
         assert control[numel]["reused_early"], control
@@ -340,7 +346,8 @@ def test_set_per_process_memory_fraction_sets_the_cap():
     assert abs(out["cap_after"] - 0.5 * out["total"]) < 4 << 20, out
 
 
-def test_a_graph_captured_while_another_thread_allocates():
+@pytest.mark.parametrize("conf", ["", TORCH_CONTRACT])
+def test_a_graph_captured_while_another_thread_allocates(conf):
     """torch.cuda.graph captures in global mode, in which a "potentially unsafe" driver call
     from any other thread invalidates the capture. MoonBright's maps, unmaps and event queries
     (another thread's allocations of new sizes, the worker's polls) must not."""
@@ -382,7 +389,8 @@ def test_a_graph_captured_while_another_thread_allocates():
         g2.replay(); torch.cuda.synchronize()
         out["inside"] = bool((y == 2).all())
         print(json.dumps(out))
-        """
+        """,
+        conf=conf,
     )
     assert out["ok"] and out["allocs"] >= 32 and out["deferred"] == 0, out
     assert out["inside"], out

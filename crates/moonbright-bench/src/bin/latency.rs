@@ -66,6 +66,7 @@ fn reps(size: u64, quick: bool) -> (usize, usize) {
 #[serde(rename_all = "snake_case")]
 enum PathKind {
     MbCache,
+    MbCacheTorchContract,
     MbWindow,
     MbCold,
     MbColdBesideLive,
@@ -81,6 +82,7 @@ impl PathKind {
     fn label(self) -> &'static str {
         match self {
             PathKind::MbCache => "MoonBright cache hit",
+            PathKind::MbCacheTorchContract => "MB cache hit, torch rules",
             PathKind::MbWindow => "MoonBright window hit",
             PathKind::MbCold => "MoonBright cold map",
             PathKind::MbColdBesideLive => "MB cold, by a live alloc",
@@ -107,6 +109,7 @@ impl PathKind {
     fn make(self, gpu: &Gpu, size: u64, window_idle: bool) -> Res<Box<dyn AllocPath>> {
         Ok(match self {
             PathKind::MbCache => Box::new(Mb::new(MbMode::Cache, size)?),
+            PathKind::MbCacheTorchContract => Box::new(Mb::new(MbMode::CacheTorchContract, size)?),
             PathKind::MbWindow => {
                 let mode = if window_idle { MbMode::WindowIdle } else { MbMode::Window };
                 Box::new(Mb::new(mode, size)?)
@@ -129,8 +132,9 @@ impl PathKind {
     }
 }
 
-const PATHS: [PathKind; 10] = [
+const PATHS: [PathKind; 11] = [
     PathKind::MbCache,
+    PathKind::MbCacheTorchContract,
     PathKind::MbWindow,
     PathKind::MbCold,
     PathKind::MbColdBesideLive,
@@ -220,7 +224,10 @@ fn map_calls(c: &moonbright::driver::CallCounts) -> u64 {
 fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool) -> Res<Row> {
     // Hits of a warm pool cost the same at every size and take a microsecond: they get many
     // more repetitions (a round of 200 lasts 0.2 ms, within one spell of the machine).
-    let cheap = matches!(kind, PathKind::MbCache | PathKind::CuMemAllocAsync);
+    let cheap = matches!(
+        kind,
+        PathKind::MbCache | PathKind::MbCacheTorchContract | PathKind::CuMemAllocAsync
+    );
     let (warm, n) = match reps(if cheap { 0 } else { size }, quick) {
         (w, n) if cheap => (5 * w, 10 * n),
         other => other,
@@ -451,7 +458,7 @@ fn targets(rows: &[Row], kernel: &[KernelRow]) -> Vec<Target> {
     let mut t = vec![];
     for &size in &SIZES {
         let Some(asy) = find(rows, PathKind::CuMemAllocAsync, size) else { continue };
-        for k in [PathKind::MbCache, PathKind::MbWindow] {
+        for k in [PathKind::MbCache, PathKind::MbCacheTorchContract, PathKind::MbWindow] {
             if let Some(r) = find(rows, k, size) {
                 let v = r.pair_us.p50 / asy.pair_us.p50;
                 t.push(Target {

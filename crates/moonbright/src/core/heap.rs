@@ -39,6 +39,8 @@ pub(crate) enum Freed {
     One(StreamRecord),
     /// Freed, joined with other streams' uses; record every one of these events.
     Joined(Vec<StreamRecord>),
+    /// Freed; an event is recorded later (`Limits::defer_free_events`).
+    Deferred,
     /// Nothing done yet: check that none of these streams (the allocation's recorded uses) is
     /// being captured, then free again with the uses checked.
     CheckUses(Vec<u64>),
@@ -139,6 +141,9 @@ pub(crate) struct Limits {
     pub window_slab_pages: u64,
     /// New ranges go to recycled addresses before the frontier (`Options::reuse_addresses`).
     pub reuse_addresses: bool,
+    /// A free on one stream records no event; the worker records one for the stream's latest
+    /// frees (`Options::deferred_free_events`).
+    pub defer_free_events: bool,
 }
 
 /// What a request that missed every fast path needs next.
@@ -603,6 +608,11 @@ impl Heap {
         };
         if live.uses.iter().all(|&u| u == stream) {
             let epoch = self.streams.push(stream, what);
+            if self.lim.defer_free_events {
+                // `streams_needing_events` lists the stream until a record covers `epoch`.
+                self.streams.entry(stream).leave_unrecorded(epoch);
+                return Ok(Freed::Deferred);
+            }
             return Ok(Freed::One(self.record_for(stream, epoch)));
         }
         let mut streams = vec![stream];

@@ -200,6 +200,12 @@ impl StreamFrees {
         self.failed = self.failed.max(Some(epoch));
     }
 
+    /// Notes that the free of `epoch` records no event of its own: as for a failed record, the
+    /// stream needs one until a later record covers it.
+    pub fn leave_unrecorded(&mut self, epoch: u64) {
+        self.record_failed(epoch);
+    }
+
     /// A spare event, if any.
     #[cfg(all(test, not(loom)))]
     pub fn spare_event(&mut self) -> Option<EventHandle> {

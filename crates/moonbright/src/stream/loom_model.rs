@@ -550,3 +550,45 @@ fn a_pool_block_freed_while_its_pool_is_released() {
         finish(&a, &[(p, PAGE, 3)]);
     });
 }
+
+/// A capture announced and begun while the worker's pass records the event a free left to it
+/// (`deferred_free_events`, `captures_announced`): the record never lands in the capture (the
+/// host backend refuses an event record on a capturing stream, and `finish` fails on that
+/// error), and the free still completes. It fails without `capture_starting`'s wait for the
+/// pass in progress.
+#[test]
+fn a_capture_announced_while_the_worker_records_a_deferred_event() {
+    model(|| {
+        let opts = Options {
+            cap_bytes: Some((2 * PAGE) as u64),
+            max_chunk_bytes: (2 * PAGE) as u64,
+            large_chunk_bytes: (2 * PAGE) as u64,
+            prefetch_window_max: 0,
+            deferred_free_events: true,
+            captures_announced: true,
+            ..Options::host((64 * PAGE) as u64, PAGE)
+        };
+        let a = Arc::new(Allocator::new(opts).expect("host allocator"));
+        let s = a.driver().create_stream().unwrap();
+        let x = a.malloc_async(2 * PAGE, s).unwrap();
+        a.free_async(x, s).unwrap();
+        let c = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.capture_starting();
+                let host = a.driver().inner().as_host().expect("host backend");
+                host.begin_capture(s);
+                // The host backend's own lock is not loom's: let the worker run mid-capture.
+                thread::yield_now();
+                host.end_capture(s);
+                a.capture_finished();
+            })
+        };
+        let w = worker_passes(&a, 1);
+        c.join().unwrap();
+        w.join().unwrap();
+        let p = a.malloc(2 * PAGE).unwrap();
+        stamp(&*a, p, 2 * PAGE, 1).unwrap();
+        finish(&a, &[(p, 2 * PAGE, 1)]);
+    });
+}

@@ -22,6 +22,8 @@ use crate::sync::{pause, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 const MAX_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long it sleeps between looks while it waits.
 const WAIT_STEP: std::time::Duration = std::time::Duration::from_micros(20);
+/// How long `release_unused` polls events it has just recorded for deferred frees.
+const RECORDED_JUST_NOW: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The longest an unmap batch pauses between its calls for requests that are mapping.
 const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
@@ -75,6 +77,12 @@ pub(crate) struct Shared {
     graphs: Mutex<crate::core::graphs::GraphPools>,
     /// Whether a free must look at the graph pools (`GraphPools::active`), kept under their lock.
     graphs_active: AtomicBool,
+    /// Captures announced in progress (`capture_starting` less `capture_finished`); with
+    /// `Options::captures_announced`, streams are checked for a capture only while it is not 0.
+    captures_in_progress: AtomicUsize,
+    /// Held by a pass of `record_missing_events`, which records on other threads' streams;
+    /// `capture_starting` waits for it.
+    record_gate: Mutex<()>,
 }
 
 impl Shared {
@@ -90,6 +98,8 @@ impl Shared {
             peers: RwLock::new(Vec::new()),
             graphs: Mutex::new(Default::default()),
             graphs_active: AtomicBool::new(false),
+            captures_in_progress: AtomicUsize::new(0),
+            record_gate: Mutex::new(()),
         }
     }
 
@@ -174,8 +184,33 @@ impl Shared {
         self.wake.notify_one();
     }
 
+    /// Notes that a CUDA graph capture is about to begin (see `Options::captures_announced`).
+    pub fn capture_starting(&self) {
+        self.captures_in_progress.fetch_add(1, Ordering::SeqCst);
+        // A pass of `record_missing_events` that began before sees no capture: let it end
+        // before the capture begins.
+        drop(self.record_gate.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Notes that an announced capture has ended (or failed to begin). Extra calls are ignored.
+    pub fn capture_finished(&self) {
+        let _ = self
+            .captures_in_progress
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Whether `stream` is being captured into a graph. With `Options::captures_announced` and
+    /// no capture announced, no: no driver call.
+    pub(super) fn is_capturing(&self, stream: StreamHandle) -> Result<bool> {
+        if self.options.captures_announced && self.captures_in_progress.load(Ordering::SeqCst) == 0
+        {
+            return Ok(false);
+        }
+        Ok(self.driver.is_capturing(stream)?)
+    }
+
     fn refuse_capture(&self, stream: StreamHandle) -> Result<()> {
-        if self.driver.is_capturing(stream)? {
+        if self.is_capturing(stream)? {
             return Err(Error::StreamCapture { stream: stream.0 });
         }
         Ok(())
@@ -188,7 +223,7 @@ impl Shared {
     pub fn malloc(&self, size: u64, stream: Option<StreamHandle>) -> Result<DevicePtr> {
         let s = match stream {
             Some(s) => {
-                if self.driver.is_capturing(s)? {
+                if self.is_capturing(s)? {
                     return self.malloc_in_capture(size, s);
                 }
                 s.0
@@ -291,6 +326,7 @@ impl Shared {
         match freed {
             Freed::One(r) => record(r),
             Freed::Joined(rs) => rs.into_iter().for_each(record),
+            Freed::Deferred => {}
             Freed::CheckUses(_) => unreachable!("uses are checked above"),
         }
         // No wake-up here: a futex wake would double the cost of a free; the worker polls.
@@ -401,16 +437,41 @@ impl Shared {
 
     // ---- events ---------------------------------------------------------------------------------
 
-    /// Records an event on every stream with a free whose own record failed and that no event
-    /// covers yet. Frees whose own records are still to come are left to their threads: the
-    /// user may destroy a stream as soon as its frees have returned.
-    pub fn record_missing_events(&self) {
+    /// Records an event on every stream with a free whose own record failed, or that recorded
+    /// none (`deferred_free_events`), and that no event covers yet. Frees whose own records are
+    /// still to come are left to their threads: the user may destroy a stream as soon as its
+    /// frees have returned. Returns whether it recorded any.
+    ///
+    /// Such a record is made by another thread than the stream's user, so it must not land in a
+    /// capture (it would join the graph): with `captures_announced`, none is made while a capture
+    /// is announced (`capture_starting` waits for a pass in progress), and otherwise each stream
+    /// is asked first. A stream skipped keeps needing its event.
+    pub fn record_missing_events(&self) -> bool {
+        let _gate = self.record_gate.lock().unwrap_or_else(|e| e.into_inner());
+        if self.options.captures_announced && self.captures_in_progress.load(Ordering::SeqCst) > 0 {
+            return false;
+        }
         let needing = self.heap().streams_needing_events();
+        let mut any = false;
         for (stream, epoch, spare) in needing {
+            if !self.options.captures_announced {
+                match self.driver.is_capturing(StreamHandle(stream)) {
+                    Ok(false) => {}
+                    capturing => {
+                        self.heap().record_settled(stream, epoch, Err(spare), false);
+                        if let Err(e) = capturing {
+                            self.heap().note_deferred_error(e);
+                        }
+                        continue;
+                    }
+                }
+            }
+            any = true;
             if let Err(e) = self.record(stream, epoch, spare, false) {
                 self.heap().note_deferred_error(e);
             }
         }
+        any
     }
 
     /// Tops the stock of events up to `target` once it is down to half, creating them here, off
@@ -552,6 +613,14 @@ impl Shared {
     /// Gives back every page no allocation or pending free uses. Returns the bytes released.
     pub fn release_unused(&self) -> Result<u64> {
         let stranded = self.retry_stranded();
+        if self.record_missing_events() {
+            // Frees that left their events to the worker (`deferred_free_events`): on an idle
+            // stream the events just recorded complete within microseconds; give them that long.
+            let start = std::time::Instant::now();
+            while !self.poll_events() && start.elapsed() < RECORDED_JUST_NOW {
+                pause(WAIT_STEP);
+            }
+        }
         self.poll_events();
         self.heap().retire_all_free();
         self.flush()?;
