@@ -274,6 +274,24 @@ fn events_left_to_later_never_land_in_a_capture() {
 }
 
 #[test]
+fn a_failed_capture_query_before_a_later_record_is_reported_and_retried() {
+    let o = Options { deferred_free_events: true, ..opts() };
+    let a = Allocator::new(o).unwrap();
+    let s = streams(&a, 1)[0];
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    a.free_async(p, s).unwrap();
+    a.driver().fail_nth(CallKind::StreamIsCapturing, 1, None);
+    a.poll();
+    assert_eq!(records(&a), 0, "recorded on a stream it could not ask about");
+    assert!(a.take_deferred_error().is_some(), "the failed query was not reported");
+    a.poll();
+    assert_eq!(records(&a), 1, "the free's event was not recorded at the next poll");
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
 fn mismatched_calls_are_refused_and_change_nothing() {
     let a = Allocator::new(opts()).unwrap();
     let s = streams(&a, 2);
