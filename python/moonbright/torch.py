@@ -19,7 +19,9 @@ mode where MoonBright's figures apply (peak reserved close to peak requested).
 report MoonBright's figures (PyTorch's CUDAPluggableAllocator raises "does not yet support
 getDeviceStats" for them; :func:`enable` replaces the ``torch._C`` functions they call).
 ``set_per_process_memory_fraction()``, which the pluggable allocator ignores, sets MoonBright's
-cap (:func:`moonbright.set_memory_fraction`), and ``get_per_process_memory_fraction()`` reads it. In
+cap (:func:`moonbright.set_memory_fraction`), and ``get_per_process_memory_fraction()`` reads it.
+``empty_cache()`` waits, as under PyTorch's allocator, for the GPU work queued before each pending
+free, then gives every unused page back to the driver. In
 PyTorch's keys, ``allocated_bytes`` and ``requested_bytes`` are the bytes asked for,
 ``active_bytes`` the bytes after MoonBright's rounding (256 B below a page, whole pages above),
 ``reserved_bytes`` the physical memory held, ``segment`` the physical chunks; MoonBright has one
@@ -428,6 +430,8 @@ def _patch_statistics(torch: Any) -> None:
         )
 
     def empty_cache(*args: Any, **kwargs: Any) -> None:
+        # Waits for pending frees' stream work first: PyTorch's own empty_cache gives back
+        # memory freed behind running work too (its cudaFree waits for the device).
         for d in range(torch.cuda.device_count()):
             if moonbright.is_initialized(d):
                 moonbright.empty_cache(d)

@@ -238,7 +238,11 @@ def test_summary_and_empty_cache(lib):
     lib.moonbright_free(p, 0, 0, None)
     text = moonbright.memory_summary()
     assert "Reserved memory" in text and "driver calls" in text
-    moonbright.empty_cache()
+    assert moonbright.empty_cache(wait=False) >= PAGE  # nothing pending: both release it
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    lib.moonbright_free(p, 0, 0, None)
+    assert moonbright.empty_cache() >= PAGE
+    assert moonbright.memory_stats()["reserved_bytes.all.current"] == 0
     nested = moonbright.memory_stats_as_nested_dict()
     assert nested["allocated_bytes"]["all"]["current"] == moonbright.memory_stats()["allocated_bytes.all.current"]
     assert nested["moonbright"]["driver_calls"]["map"] >= 1

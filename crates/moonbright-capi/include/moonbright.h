@@ -505,13 +505,26 @@ int mb_release_graph_pool(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t
 int mb_free(struct mb_allocator *alloc, uint64_t ptr);
 
 /**
- * Gives every physical page no allocation uses back to the driver (like
- * `torch.cuda.empty_cache`). Stores the bytes released in `*out_bytes` unless it is NULL.
+ * Gives every physical page no allocation uses back to the driver, without waiting: the memory
+ * of frees whose stream work may still be running stays held (`mb_empty_cache` waits for it).
+ * Stores the bytes released in `*out_bytes` unless it is NULL.
  *
  * # Safety
  * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
  */
 int mb_release_unused(struct mb_allocator *alloc, uint64_t *out_bytes);
+
+/**
+ * Waits on the calling thread for the stream work of every pending free, then gives every
+ * physical page no allocation uses back to the driver, as `torch.cuda.empty_cache` does under
+ * PyTorch's own allocator. No kernel waits. A failed wait is reported (its error code) after
+ * the release, which still gives back what is free; `*out_bytes` is then not written. Stores
+ * the bytes released in `*out_bytes` unless it is NULL.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_empty_cache(struct mb_allocator *alloc, uint64_t *out_bytes);
 
 /**
  * Unmaps every retired range now rather than at the next unmap batch.

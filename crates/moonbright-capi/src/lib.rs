@@ -662,17 +662,45 @@ pub unsafe extern "C" fn mb_free(alloc: *mut mb_allocator, ptr: u64) -> c_int {
     })
 }
 
-/// Gives every physical page no allocation uses back to the driver (like
-/// `torch.cuda.empty_cache`). Stores the bytes released in `*out_bytes` unless it is NULL.
+/// Gives every physical page no allocation uses back to the driver, without waiting: the memory
+/// of frees whose stream work may still be running stays held (`mb_empty_cache` waits for it).
+/// Stores the bytes released in `*out_bytes` unless it is NULL.
 ///
 /// # Safety
 /// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn mb_release_unused(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
+    // SAFETY: the caller's contract is `release_with`'s.
+    unsafe { release_with(alloc, out_bytes, Allocator::release_unused) }
+}
+
+/// Waits on the calling thread for the stream work of every pending free, then gives every
+/// physical page no allocation uses back to the driver, as `torch.cuda.empty_cache` does under
+/// PyTorch's own allocator. No kernel waits. A failed wait is reported (its error code) after
+/// the release, which still gives back what is free; `*out_bytes` is then not written. Stores
+/// the bytes released in `*out_bytes` unless it is NULL.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn mb_empty_cache(alloc: *mut mb_allocator, out_bytes: *mut u64) -> c_int {
+    // SAFETY: the caller's contract is `release_with`'s.
+    unsafe { release_with(alloc, out_bytes, Allocator::empty_cache) }
+}
+
+/// The body of `mb_release_unused` and `mb_empty_cache`.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+unsafe fn release_with(
+    alloc: *mut mb_allocator,
+    out_bytes: *mut u64,
+    release: fn(&Allocator) -> moonbright::Result<u64>,
+) -> c_int {
     call(|| {
         // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
         let a = unsafe { allocator(alloc) }?;
-        let released = a.release_unused()?;
+        let released = release(a)?;
         if !out_bytes.is_null() {
             // SAFETY: `out_bytes` is non-NULL and, by the caller's contract, valid for a write.
             unsafe { write_out(out_bytes, "out_bytes", released) }?;

@@ -88,6 +88,17 @@ fn create_malloc_free_stats_destroy() {
         assert_eq!(stats(a).reserved_bytes.current, 0);
         assert!(released > 0);
         assert_eq!(mb_release_unused(a, ptr::null_mut()), MB_OK);
+
+        // The waiting variant gives back the same (its waits are the Rust tests').
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 3 * MIB as usize, &mut p), MB_OK);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert!(stats(a).reserved_bytes.current >= 3 * MIB);
+        let mut released = 0;
+        assert_eq!(mb_empty_cache(a, &mut released), MB_OK, "{}", last_error());
+        assert!(released >= 3 * MIB, "{released}");
+        assert_eq!(stats(a).reserved_bytes.current, 0);
+        assert_eq!(mb_empty_cache(a, ptr::null_mut()), MB_OK);
         assert_eq!(mb_destroy(a), MB_OK);
         assert_eq!(last_error(), "");
     }
@@ -141,6 +152,7 @@ fn null_arguments_are_invalid() {
             ("out_ptr", mb_malloc(a, 16, ptr::null_mut())),
             ("alloc", mb_free(ptr::null_mut(), 0x1000)),
             ("alloc", mb_release_unused(ptr::null_mut(), &mut n)),
+            ("alloc", mb_empty_cache(ptr::null_mut(), &mut n)),
             ("alloc", mb_flush(ptr::null_mut())),
             ("alloc", mb_get_stats(ptr::null_mut(), &mut s)),
             ("out", mb_get_stats(a, ptr::null_mut())),

@@ -510,11 +510,15 @@ fn reset_peak_memory_stats(device: Option<i32>) -> PyResult<()> {
 }
 
 /// Gives every physical page no allocation uses back to the driver; returns the bytes released.
+/// With `wait` (the default, as `torch.cuda.empty_cache` under PyTorch's own allocator), first
+/// waits, without the GIL, for the stream work of every pending free; without it, such frees'
+/// memory stays held.
 #[pyfunction]
-#[pyo3(signature = (device=None))]
-fn empty_cache(device: Option<i32>) -> PyResult<u64> {
+#[pyo3(signature = (device=None, wait=true))]
+fn empty_cache(py: Python<'_>, device: Option<i32>, wait: bool) -> PyResult<u64> {
     let a = get(device)?;
-    a.release_unused().map_err(|e| py_err(e.to_string()))
+    let r = if wait { py.allow_threads(|| a.empty_cache()) } else { a.release_unused() };
+    r.map_err(|e| py_err(e.to_string()))
 }
 
 /// Starts (or with enabled=False stops) recording up to `max_entries` allocation events, for

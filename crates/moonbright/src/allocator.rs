@@ -330,10 +330,22 @@ impl Allocator {
         self.shared.poll_events()
     }
 
-    /// Gives every physical page no allocation uses back to the driver (like
-    /// `torch.cuda.empty_cache`). Returns the bytes released.
+    /// Gives every physical page no allocation uses back to the driver, without waiting: the
+    /// memory of frees whose stream work may still be running stays held (`empty_cache` waits
+    /// for it). Returns the bytes released.
     pub fn release_unused(&self) -> Result<u64> {
         self.shared.release_unused()
+    }
+
+    /// Waits on this thread for the stream work of every pending free, then gives every
+    /// physical page no allocation uses back to the driver: what `torch.cuda.empty_cache` does
+    /// under PyTorch's own allocator, whose `cudaFree` waits for the device. Only the caller
+    /// waits, never a kernel. Stays held: graph pools' blocks, and frees whose events cannot be
+    /// recorded yet (option `deferred_free_events` while an announced capture runs). A failed
+    /// wait is reported after the release, which still gives back what is free. Returns the
+    /// bytes released.
+    pub fn empty_cache(&self) -> Result<u64> {
+        self.shared.empty_cache()
     }
 
     /// A snapshot of the statistics.

@@ -127,6 +127,79 @@ fn only_a_free_whose_own_record_failed_gets_a_later_event() {
     a.check_invariants().unwrap();
 }
 
+/// `release_unused` gives back only what no queued work may use; `empty_cache` first waits on
+/// the host for the pending frees' stream work (as `torch.cuda.empty_cache` does under
+/// PyTorch's allocator), then gives that back too. Under either option set.
+#[test]
+fn empty_cache_waits_for_pending_frees_and_release_unused_does_not() {
+    for contract in [false, true] {
+        let a = Allocator::new(Options {
+            captures_announced: contract,
+            deferred_free_events: contract,
+            ..opts(false)
+        })
+        .unwrap();
+        let s = streams(&a, 2);
+        let reserved = || a.stats().reserved_bytes.current;
+        let q = a.malloc_async(2 * PAGE, s[1]).unwrap();
+        a.release_unused().unwrap();
+        let live_only = reserved();
+        host(&a).wait_on_held_streams(Duration::from_secs(10));
+        host(&a).hold_stream(s[0]);
+        let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+        stamp(&a, p, 3 * PAGE, 1).unwrap();
+        a.free_async(p, s[0]).unwrap();
+        assert_eq!(a.release_unused().unwrap(), 0, "released a range s0's work may still use");
+        assert!(reserved() >= live_only + 3 * PAGE as u64);
+
+        let ended = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|t| {
+            t.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                ended.store(true, std::sync::atomic::Ordering::SeqCst);
+                host(&a).release_stream(s[0]);
+            });
+            let released = a.empty_cache().unwrap();
+            assert!(ended.load(std::sync::atomic::Ordering::SeqCst), "returned before s0's work");
+            assert!(released >= 3 * PAGE as u64, "released {released}");
+        });
+        assert_eq!(reserved(), live_only, "contract {contract}");
+        a.free_async(q, s[1]).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(reserved(), 0);
+        assert_eq!(host(&a).live_chunk_bytes(), 0);
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A failed wait is reported, and nothing is lost: what was free is released anyway, and the
+/// free whose wait failed stays pending until a later call finds its work done.
+#[test]
+fn a_failed_wait_in_empty_cache_is_reported_and_loses_nothing() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 2);
+    let live = a.malloc_async(PAGE, s[1]).unwrap();
+    let q = a.malloc_async(2 * PAGE, s[1]).unwrap();
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    a.free_async(q, s[1]).unwrap();
+    assert!(a.poll());
+    host(&a).hold_stream(s[0]);
+    a.free_async(p, s[0]).unwrap();
+    let before = a.stats().reserved_bytes.current;
+    a.driver().fail_nth(CallKind::EventSynchronize, 1, None);
+    let e = a.empty_cache().unwrap_err();
+    assert!(matches!(e, Error::Driver(ref d) if d.call == CallKind::EventSynchronize), "{e}");
+    let after = a.stats().reserved_bytes.current;
+    assert!(after < before, "the completed free was not released: {before} -> {after}");
+    assert!(after >= (3 + 1) * PAGE as u64, "the pending range or the live one was released");
+    host(&a).release_stream(s[0]);
+    assert!(a.empty_cache().unwrap() >= 3 * PAGE as u64);
+    a.free_async(live, s[1]).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}
+
 /// A stream a request, as a server may make them: each frees once and is destroyed. Once a
 /// stream's frees have completed, the allocator forgets it and its events go back to the
 /// stock, so 500 streams reuse one event instead of creating one each (and polls do not walk

@@ -312,6 +312,48 @@ def test_record_stream_keeps_memory_from_its_own_stream_until_the_side_stream_is
     print("control, without record_stream:", control)
 
 
+@pytest.mark.parametrize("conf", ["", TORCH_CONTRACT])
+def test_empty_cache_gives_back_memory_freed_behind_running_work(conf):
+    """`del x; torch.cuda.empty_cache()` while the GPU still runs work queued before the free:
+    under PyTorch's allocator the memory goes back to the driver (its cudaFree waits for the
+    device), and so it must under MoonBright (the host waits for the free's stream work). The
+    control, moonbright.empty_cache(wait=False), shows that the free was still pending."""
+    out = run(
+        """
+        import json, time, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        keep = torch.ones(1 << 20, device="cuda")
+        torch.cuda.synchronize(); torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
+        res = {}
+        for wait in (False, True):
+            x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(300_000_000)  # about 0.15 s queued behind x's last use
+            x.fill_(1)
+            del x
+            t = time.perf_counter()
+            if wait:
+                torch.cuda.empty_cache()
+            else:
+                moonbright.empty_cache(wait=False)
+            took = time.perf_counter() - t
+            res[str(wait)] = {"reserved_over_base": torch.cuda.memory_reserved() - base,
+                              "busy_after": not torch.cuda.current_stream().query(),
+                              "took_s": took}
+            torch.cuda.synchronize(); torch.cuda.empty_cache()
+        res["final_over_base"] = torch.cuda.memory_reserved() - base
+        moonbright.check_invariants()
+        print(json.dumps(res))
+        """,
+        conf=conf,
+    )
+    assert out["False"]["busy_after"], out  # the premise: the work was still running
+    assert out["False"]["reserved_over_base"] >= 256 << 20, out
+    assert out["True"]["reserved_over_base"] == 0, out
+    assert not out["True"]["busy_after"], out
+    assert out["final_over_base"] == 0, out
+
+
 def test_set_per_process_memory_fraction_sets_the_cap():
     """PyTorch's pluggable allocator ignores set_per_process_memory_fraction; under
     moonbright.torch.enable() it sets MoonBright's cap: past it, allocations raise

@@ -100,6 +100,9 @@ struct State {
     /// Streams a test has put into graph capture, with their capture's id.
     capturing: HashMap<u64, u64>,
     next_capture: u64,
+    /// How long `synchronize_event` waits for a held stream's hold to end (another thread of a
+    /// test ends it) before it refuses; zero refuses at once.
+    sync_wait: std::time::Duration,
 }
 
 /// Devices the host backend models: it is device 0, and every other can be its peer.
@@ -209,6 +212,7 @@ impl HostDriver {
                 events: HashMap::new(),
                 capturing: HashMap::new(),
                 next_capture: 1,
+                sync_wait: std::time::Duration::ZERO,
             }),
             peers: crate::sync::Mutex::new(Vec::new()),
         })
@@ -236,6 +240,13 @@ impl HostDriver {
         if let Some(hold) = self.lock().streams.get_mut(&s.0) {
             *hold = None;
         }
+    }
+
+    /// Test hook: from now on `synchronize_event` on an event of a held stream waits up to
+    /// `limit` for the hold to end, as a host thread waits for a GPU's work, instead of refusing
+    /// at once (a test's other thread ends the hold).
+    pub fn wait_on_held_streams(&self, limit: std::time::Duration) {
+        self.lock().sync_wait = limit;
     }
 
     /// Test hook: `s` reports being captured into a graph until [`Self::end_capture`]. Returns
@@ -863,9 +874,16 @@ impl Driver for HostDriver {
     }
 
     fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
-        // Nothing runs on the host model, so a held stream would never finish: refuse rather
-        // than hang.
-        match self.event_done(event) {
+        // Nothing runs on the host model, so a held stream finishes only when a test ends the
+        // hold: wait as long as `wait_on_held_streams` allows (by default not at all), then
+        // refuse rather than hang.
+        let (limit, start) = (self.lock().sync_wait, std::time::Instant::now());
+        let mut done = self.event_done(event);
+        while matches!(done, Ok(false)) && start.elapsed() < limit {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            done = self.event_done(event);
+        }
+        match done {
             Ok(true) => Ok(()),
             Ok(false) => Err(err(
                 CallKind::EventSynchronize,

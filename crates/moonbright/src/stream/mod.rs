@@ -617,6 +617,16 @@ impl Shared {
         }
     }
 
+    /// Waits on this thread for the stream work of every pending free, then gives back every
+    /// page no allocation uses (`Allocator::empty_cache`). A failed wait is reported after the
+    /// release, which still gives back what is free.
+    pub fn empty_cache(&self) -> Result<u64> {
+        let waited =
+            if self.heap().has_pending_frees() { self.wait_for_pending_frees() } else { Ok(()) };
+        let released = self.release_unused();
+        waited.and(released)
+    }
+
     /// Gives back every page no allocation or pending free uses. Returns the bytes released.
     pub fn release_unused(&self) -> Result<u64> {
         let stranded = self.retry_stranded();
