@@ -109,6 +109,8 @@ _enabled = False
 _oom_as_torch_error = False
 # Pluggable allocators handed to PyTorch: PyTorch keeps raw pointers to them.
 _keep: list[Any] = []
+# The graph wrappers' pool-id map and use counts (`_wrap_graphs`), for tests.
+_graph_pool_keys: dict[str, Any] = {}
 
 
 def _torch() -> Any:
@@ -290,8 +292,13 @@ def _patch_graphs(torch: Any) -> None:
 
     # PyTorch's pool ids -> MoonBright's. `self.pool()` is known only once the capture has
     # ended, so a capture into a fresh pool begins under a key of MoonBright's own, which later
-    # captures naming that graph's pool (``pool=g.pool()``) are mapped to.
+    # captures naming that graph's pool (``pool=g.pool()``) are mapped to. `users` counts the
+    # graphs captured into each of MoonBright's pools and not yet released: a pool's keys go
+    # with its last graph, so a process that captures graphs without end keeps none of the
+    # dead ones'.
     keys: dict[tuple[int, int], tuple[int, int]] = {}
+    users: dict[tuple[int, int], int] = {}
+    _graph_pool_keys.update(keys=keys, users=users)
     fresh = iter(range(1, 1 << 62))
 
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -320,6 +327,7 @@ def _patch_graphs(torch: Any) -> None:
         self.__dict__["_moonbright"] = {
             "device": device, "stream": stream, "pool": pool, "ended": False, "replayed": set()
         }
+        users[pool] = users.get(pool, 0) + 1
 
     def finish_announced(self: Any) -> None:
         device = self.__dict__.pop("_moonbright_announced", None)
@@ -359,9 +367,15 @@ def _patch_graphs(torch: Any) -> None:
         state = self.__dict__.pop("_moonbright", None)
         if state is None:
             return
+        pool = state["pool"]
+        users[pool] -= 1
+        if users[pool] == 0:
+            del users[pool]
+            for k in [k for k, v in keys.items() if v == pool]:
+                del keys[k]
         try:
             end_capture(state)
-            moonbright.release_graph_pool(state["pool"], state["device"])
+            moonbright.release_graph_pool(pool, state["device"])
         except Exception as e:  # noqa: BLE001 - never raise from a destructor
             warn("releasing a graph's memory", e)
 

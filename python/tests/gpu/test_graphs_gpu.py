@@ -209,10 +209,27 @@ def test_graphs_sharing_a_pool_reuse_its_memory():
                 graphs[n].replay()
                 ok &= bool(torch.allclose(outs[n], model(x), rtol=1e-4, atol=1e-4))
         torch.cuda.synchronize()
+        keys_live = len(moonbright.torch._graph_pool_keys["keys"]) if MB else None
         del graphs, outs
         torch.cuda.synchronize()
+        # Graphs captured and dropped one after another, each into a fresh pool, and pairs
+        # sharing one (pool=g.pool()): none leaves its pool's key behind.
+        torch.set_grad_enabled(False)
+        for i in range(50):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = model(ins[8])
+            if i % 2:
+                h = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(h, pool=g.pool()):
+                    z = model(ins[8])
+                del h, z
+            del g, y
+        mbk = moonbright.torch._graph_pool_keys if MB else {"keys": [], "users": []}
         print(json.dumps({"ok": ok, "reserved": reserved,
-                          "after": list(moonbright.graph_pool_free()) if MB else None}))
+                          "after": list(moonbright.graph_pool_free()) if MB else None,
+                          "keys_live": keys_live, "keys_after": len(mbk["keys"]),
+                          "users_after": len(mbk["users"])}))
         """
         )
     )
@@ -220,6 +237,8 @@ def test_graphs_sharing_a_pool_reuse_its_memory():
     first, last = out["reserved"][0], out["reserved"][-1]
     assert last - first < 16 << 20, f"smaller captures should reuse the pool: {out}"
     assert out["after"] == [0, 0], out
+    assert out["keys_live"] == 1, out  # the six graphs share one pool while they live
+    assert out["keys_after"] == 0 and out["users_after"] == 0, out
 
 
 def test_make_graphed_callables_trains_as_under_pytorchs_allocator():
