@@ -804,6 +804,33 @@ fn deferred_free_events_are_recorded_later_and_order_reuse_the_same() {
     a.check_invariants().unwrap();
 }
 
+/// A loop that frees on a stream whose work never ends (a launch-bound decoder's) keeps frees
+/// pending for good: the worker then records and queries their events every 2 ms, not at its
+/// 200 µs mapping tick, so its driver calls stay few beside the thread that launches kernels.
+/// An upper bound only: a slow machine makes fewer passes, never more.
+#[test]
+fn frees_that_only_wait_for_events_get_the_worker_every_2_ms() {
+    let o = Options { deferred_free_events: true, prefetch_window_max: 0, ..opts(true) };
+    let a = Allocator::new(o).unwrap();
+    let s = streams(&a, 1)[0];
+    host(&a).hold_stream(s);
+    let records = || a.stats().driver_calls.get(CallKind::EventRecord);
+    let (r0, t) = (records(), Instant::now());
+    while t.elapsed() < Duration::from_millis(200) {
+        for len in [1000, 3 * PAGE] {
+            let p = a.malloc_async(len, s).unwrap();
+            a.free_async(p, s).unwrap();
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let made = records() - r0;
+    let passes = t.elapsed().as_micros() as u64 / 2000 + 2;
+    assert!(made >= 1, "the worker recorded no event for the pending frees");
+    assert!(made <= passes, "{made} event records in {:?}: the worker ticked faster", t.elapsed());
+    host(&a).release_stream(s);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn deferred_free_events_come_from_the_worker_and_release_unused() {
     let o = Options { deferred_free_events: true, prefetch_window_max: 0, ..opts(true) };
