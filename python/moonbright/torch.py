@@ -109,7 +109,7 @@ _enabled = False
 _oom_as_torch_error = False
 # Pluggable allocators handed to PyTorch: PyTorch keeps raw pointers to them.
 _keep: list[Any] = []
-# The graph wrappers' pool-id map and use counts (`_wrap_graphs`), for tests.
+# The graph wrappers' pool-id map and use counts (`_patch_graphs`), for tests.
 _graph_pool_keys: dict[str, Any] = {}
 
 

@@ -99,12 +99,12 @@ pub struct Options {
     /// A stream-ordered free records no event itself (`cuEventRecord`, about 0.5 µs on an H200):
     /// the background worker records one per stream for its latest frees at its next pass
     /// (within 2 ms while frees are pending, 20 ms when it was idle), and `poll`,
-    /// `release_unused`, `empty_cache` and a request short of memory record them too. Memory freed on a stream
-    /// is reused by that stream at once either way; other streams, and unmapping, wait for the
-    /// later event. The worker then records on the freeing stream after `free_async` has
-    /// returned, so a stream that frees were ordered on must not be destroyed while the
-    /// allocator lives (PyTorch never destroys its streams). Off: every free records its own
-    /// event, and a stream may be destroyed as soon as its frees return.
+    /// `release_unused`, `empty_cache` and a request short of memory record them too. Memory
+    /// freed on a stream is reused by that stream at once either way; other streams, and
+    /// unmapping, wait for the later event. The worker then records on the freeing stream
+    /// after `free_async` has returned, so a stream that frees were ordered on must not be
+    /// destroyed while the allocator lives (PyTorch never destroys its streams). Off: every
+    /// free records its own event, and a stream may be destroyed as soon as its frees return.
     pub deferred_free_events: bool,
     /// Size of each virtual reservation, as a multiple of the device's total memory.
     pub va_reserve_factor: u64,
