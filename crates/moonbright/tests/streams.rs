@@ -152,6 +152,7 @@ fn empty_cache_waits_for_pending_frees_and_release_unused_does_not() {
         assert_eq!(a.release_unused().unwrap(), 0, "released a range s0's work may still use");
         assert!(reserved() >= live_only + 3 * PAGE as u64);
 
+        let waits = a.stats().pending_free_waits;
         let ended = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|t| {
             t.spawn(|| {
@@ -164,6 +165,7 @@ fn empty_cache_waits_for_pending_frees_and_release_unused_does_not() {
             assert!(released >= 3 * PAGE as u64, "released {released}");
         });
         assert_eq!(reserved(), live_only, "contract {contract}");
+        assert_eq!(a.stats().pending_free_waits, waits + 1, "PyTorch's num_sync_all_streams");
         a.free_async(q, s[1]).unwrap();
         a.empty_cache().unwrap();
         assert_eq!(reserved(), 0);

@@ -100,8 +100,9 @@ pub struct Stats {
     pub unmap_calls_in_batches: u64,
     /// Requests refused for lack of memory.
     pub num_ooms: u64,
-    /// Times a request short of memory waited on the host for streams' pending frees to
-    /// complete (PyTorch's `num_sync_all_streams`): each one drains the device's queue.
+    /// Times the host waited for streams' pending frees to complete: a request short of memory,
+    /// or `empty_cache` with frees pending (PyTorch's `num_sync_all_streams`, which counts its
+    /// `empty_cache` calls and out-of-memory retries). Each one drains the device's queue.
     pub pending_free_waits: u64,
     /// Frees on a stream of allocations other streams used too (`record_stream`), which waited
     /// for every one of those streams.
