@@ -81,13 +81,17 @@ requests are refused. With ``deferred_free_events`` the background worker record
 stream for its latest frees, so streams must outlive the allocator (PyTorch's own do; a
 ``torch.cuda.ExternalStream`` must too). With both, a cache hit makes no driver call.
 
-``torch.compile(mode="reduce-overhead")`` still fails under :func:`enable`, with PyTorch's own
-"pluggable does not yet support checkPoolLiveAllocations": its CUDA-graph trees call allocator
-functions that CUDAPluggableAllocator does not forward. Inductor's plain CUDA graphs
-(``torch._inductor.config.triton.cudagraph_trees = False``) run under MoonBright, but are not
-turned on for you: in PyTorch 2.11 they give wrong results for a compiled function that mutates
-its input, under PyTorch's own allocator too (``bench/results/h200-session14/``). Modes
-``"default"`` and ``"max-autotune-no-cudagraphs"`` run under :func:`enable`.
+``torch.compile(mode="reduce-overhead")`` works under :func:`enable`. Its CUDA-graph trees
+call allocator functions that CUDAPluggableAllocator does not forward (it raises "pluggable does
+not yet support checkPoolLiveAllocations"); :func:`enable` replaces the ``torch._C`` functions
+they call with MoonBright's (see ``_patch_graph_trees``): warm-up runs allocate into the trees'
+graph pool (:func:`moonbright.begin_allocate_to_pool`), the pool's live blocks are read and set
+back (:func:`moonbright.graph_pool_live`, :func:`moonbright.set_graph_pool_live`) where PyTorch
+checkpoints its allocator's state, and the trees' checks compare MoonBright's live blocks. One
+difference from PyTorch's allocator: where the trees hand live tensors of replayed graphs a
+deleter (C++ only), MoonBright instead watches those tensors' storages and frees their blocks
+once they are dead, at the trees' next allocator call (or ``torch.cuda.empty_cache()``), not at
+once.
 
 In pool mode, PyTorch's caching allocator keeps its own graph-private pools and asks MoonBright
 for segments while capturing (``torch.cuda.graph(g, pool=pool.id)``); MoonBright serves them
@@ -217,6 +221,7 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
     _patch_statistics(torch)
     _patch_record_stream(torch)
     _patch_graphs(torch)
+    _patch_graph_trees(torch)
     _enabled = True
 
 
@@ -298,7 +303,15 @@ def _patch_graphs(torch: Any) -> None:
     # dead ones'.
     keys: dict[tuple[int, int], tuple[int, int]] = {}
     users: dict[tuple[int, int], int] = {}
-    _graph_pool_keys.update(keys=keys, users=users)
+
+    def drop_user(pool: tuple[int, int]) -> None:
+        users[pool] -= 1
+        if users[pool] == 0:
+            del users[pool]
+            for k in [k for k, v in keys.items() if v == pool]:
+                del keys[k]
+
+    _graph_pool_keys.update(keys=keys, users=users, drop_user=drop_user, reap=lambda: None)
     fresh = iter(range(1, 1 << 62))
 
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -368,16 +381,13 @@ def _patch_graphs(torch: Any) -> None:
         if state is None:
             return
         pool = state["pool"]
-        users[pool] -= 1
-        if users[pool] == 0:
-            del users[pool]
-            for k in [k for k, v in keys.items() if v == pool]:
-                del keys[k]
+        drop_user(pool)
         try:
             end_capture(state)
             moonbright.release_graph_pool(pool, state["device"])
         except Exception as e:  # noqa: BLE001 - never raise from a destructor
             warn("releasing a graph's memory", e)
+        _graph_pool_keys["reap"]()
 
     def reset(self: Any) -> None:
         originals["reset"](self)
@@ -391,6 +401,201 @@ def _patch_graphs(torch: Any) -> None:
         f.__doc__ = originals[name].__doc__
         setattr(graph, name, f)
     graph.__del__ = __del__
+
+
+class _PoolState:
+    """What ``torch._C._cuda_getCheckpointState`` returns under MoonBright: a graph pool's live
+    blocks at that moment, for ``_cuda_setCheckpointPoolState`` to set back."""
+
+    __slots__ = ("device", "pool", "live")
+
+    def __init__(self, device: int, pool: tuple[int, int], live: tuple[int, ...]) -> None:
+        self.device, self.pool, self.live = device, pool, live
+
+    def __repr__(self) -> str:
+        return f"<MoonBright graph pool {self.pool} state: {len(self.live)} live blocks>"
+
+
+def _patch_graph_trees(torch: Any) -> None:
+    """Serves the allocator calls of PyTorch's CUDA-graph trees
+    (``torch._inductor.cudagraph_trees``, behind ``torch.compile(mode="reduce-overhead")``),
+    which CUDAPluggableAllocator does not forward. PyTorch 2.11's trees look each up on
+    ``torch._C`` at call time and are their only callers (``torch.cuda.use_mem_pool`` binds
+    its own copies at import, so pool mode keeps PyTorch's):
+
+    - ``_cuda_beginAllocateCurrentThreadToPool`` / ``_cuda_endAllocateToPool`` /
+      ``_cuda_releasePool``: the thread's allocations go to the trees' graph pool
+      (:func:`moonbright.begin_allocate_to_pool`) during warm-up runs, as one more user of it;
+    - ``_cuda_getCheckpointState``: the pool's live blocks (:func:`moonbright.graph_pool_live`)
+      after a graph is recorded;
+    - ``_cuda_setCheckpointPoolState``: those blocks live again, the rest of the pool free
+      (:func:`moonbright.set_graph_pool_live`), before a new graph is recorded beside replayed
+      ones. Blocks made live again belong to no tensor PyTorch's allocator knows: the storages
+      the trees name for them are watched (weak references) and their blocks freed once they
+      are dead, at the next of these calls, a graph's release or ``torch.cuda.empty_cache()``;
+      the trees free the others with ``_cuda_cudaCachingAllocator_raw_delete`` or
+      ``_free_And_Remove_DeleterFn``, which free such blocks through MoonBright, and
+      ``_has_Standard_Deleter`` says yes for the watched storages;
+    - ``_cuda_checkPoolLiveAllocations``: whether the pool's live blocks are exactly the given
+      pointers.
+
+    Every other call goes to PyTorch's function, as before.
+    """
+    import threading
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    C = torch._C
+    names = (
+        "_cuda_beginAllocateCurrentThreadToPool",
+        "_cuda_endAllocateToPool",
+        "_cuda_releasePool",
+        "_cuda_getCheckpointState",
+        "_cuda_setCheckpointPoolState",
+        "_cuda_checkPoolLiveAllocations",
+        "_cuda_cudaCachingAllocator_raw_delete",
+        "_free_And_Remove_DeleterFn",
+        "_has_Standard_Deleter",
+    )
+    if not all(hasattr(C, n) for n in names):  # another PyTorch: leave it as it is
+        return
+    originals = {n: getattr(C, n) for n in names}
+    _keep.append(originals)
+    keys = _graph_pool_keys["keys"]
+    users = _graph_pool_keys["users"]
+    drop_user = _graph_pool_keys["drop_user"]
+    lock = threading.RLock()
+    # Routed uses not yet released: (device, MoonBright pool) -> count.
+    routed: dict[tuple[int, tuple[int, int]], int] = {}
+    # Blocks made live again by a set-back state, which MoonBright frees itself:
+    # pointer -> (device, weak reference to the storage that owns it, or None).
+    ours: dict[int, tuple[int, Any]] = {}
+    _graph_pool_keys.update(routed=routed, ours=ours)
+
+    def mb_pool(pool: Any) -> tuple[int, int]:
+        given = tuple(int(x) for x in pool)
+        return keys.get(given, given)
+
+    def stream_of(device: int) -> int:
+        return int(torch.cuda.current_stream(device).cuda_stream)
+
+    def free(ptr: int, device: int) -> None:
+        moonbright.free_async(ptr, stream_of(device), device)
+
+    def reap() -> None:
+        with lock:
+            dead = [p for p, (_, ref) in ours.items() if ref is not None and ref.expired()]
+            for p in dead:
+                device, _ = ours.pop(p)
+                try:
+                    free(p, device)
+                except RuntimeError as e:
+                    import warnings
+
+                    warnings.warn(f"moonbright: freeing a graph pool block: {e}", RuntimeWarning)
+
+    _graph_pool_keys["reap"] = reap
+
+    def begin(device: int, pool: Any) -> None:
+        mb = mb_pool(pool)
+        moonbright.begin_allocate_to_pool(mb, int(device))
+        with lock:
+            users[mb] = users.get(mb, 0) + 1
+            routed[(int(device), mb)] = routed.get((int(device), mb), 0) + 1
+
+    def end(device: int, pool: Any) -> None:
+        moonbright.end_allocate_to_pool(int(device))
+
+    def release(device: int, pool: Any) -> None:
+        mb = mb_pool(pool)
+        with lock:
+            n = routed.get((int(device), mb), 0)
+            if n == 0:
+                return originals["_cuda_releasePool"](device, pool)
+            if n == 1:
+                del routed[(int(device), mb)]
+            else:
+                routed[(int(device), mb)] = n - 1
+            drop_user(mb)
+        moonbright.release_graph_pool(mb, int(device))
+        reap()
+
+    def get_state(device: int, pool: Any) -> _PoolState:
+        reap()
+        mb = mb_pool(pool)
+        live = tuple(p for p, _ in moonbright.graph_pool_live(mb, int(device)))
+        return _PoolState(int(device), mb, live)
+
+    def set_state(device: int, state: Any, stale: Any, live_storages: Any = ()) -> None:
+        if not isinstance(state, _PoolState):
+            return originals["_cuda_setCheckpointPoolState"](device, state, stale, live_storages)
+        if list(stale):
+            raise RuntimeError(
+                "moonbright: stale storages passed to setCheckpointPoolState are not supported "
+                "(PyTorch 2.11's CUDA-graph trees pass none)"
+            )
+        reap()
+        with lock:
+            revived, freed = moonbright.set_graph_pool_live(
+                state.pool, list(state.live), stream_of(state.device), state.device
+            )
+            for p in freed:
+                ours.pop(p, None)
+            for p in revived:
+                ours[p] = (state.device, None)
+            for cdata in live_storages:
+                storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+                if storage is None:
+                    continue
+                p = storage.data_ptr()
+                if p in ours and ours[p][1] is None:
+                    ours[p] = (state.device, StorageWeakRef(storage))
+                del storage
+
+    def check_live(device: int, pool: Any, expected: Any) -> bool:
+        reap()
+        live = {p for p, _ in moonbright.graph_pool_live(mb_pool(pool), int(device))}
+        return live == {int(p) for p in expected}
+
+    def raw_delete(ptr: int) -> None:
+        with lock:
+            entry = ours.pop(int(ptr), None)
+        if entry is None:
+            return originals["_cuda_cudaCachingAllocator_raw_delete"](ptr)
+        free(int(ptr), entry[0])
+
+    def watched(cdata: int) -> int | None:
+        """The pointer of storage `cdata` (a StorageImpl's address, as the trees pass it) if
+        MoonBright watches that storage for its block."""
+        storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+        if storage is None:
+            return None
+        p = storage.data_ptr()
+        del storage
+        with lock:
+            ref = ours.get(p, (0, None))[1]
+        return p if ref is not None and ref.cdata == int(cdata) else None
+
+    def free_and_remove_deleter(cdata: int) -> None:
+        p = watched(cdata)
+        if p is None:
+            return originals["_free_And_Remove_DeleterFn"](cdata)
+        with lock:
+            device, _ = ours.pop(p)
+        free(p, device)
+
+    def has_standard_deleter(cdata: int) -> bool:
+        return watched(cdata) is not None or originals["_has_Standard_Deleter"](cdata)
+
+    C._cuda_beginAllocateCurrentThreadToPool = begin
+    C._cuda_endAllocateToPool = end
+    C._cuda_releasePool = release
+    C._cuda_getCheckpointState = get_state
+    C._cuda_setCheckpointPoolState = set_state
+    C._cuda_checkPoolLiveAllocations = check_live
+    C._cuda_cudaCachingAllocator_raw_delete = raw_delete
+    C._free_And_Remove_DeleterFn = free_and_remove_deleter
+    C._has_Standard_Deleter = has_standard_deleter
 
 
 def _patch_statistics(torch: Any) -> None:
@@ -446,6 +651,7 @@ def _patch_statistics(torch: Any) -> None:
     def empty_cache(*args: Any, **kwargs: Any) -> None:
         # Waits for pending frees' stream work first: PyTorch's own empty_cache gives back
         # memory freed behind running work too (its cudaFree waits for the device).
+        _graph_pool_keys.get("reap", lambda: None)()
         for d in range(torch.cuda.device_count()):
             if moonbright.is_initialized(d):
                 moonbright.empty_cache(d)

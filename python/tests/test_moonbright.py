@@ -286,6 +286,39 @@ def test_graph_pool_calls_without_a_capture_are_refused():
     moonbright.check_invariants()
 
 
+def test_a_thread_routed_into_a_graph_pool_and_the_pools_live_set(lib):
+    # What moonbright.torch does for PyTorch's CUDA-graph trees (torch.compile's
+    # "reduce-overhead"): warm-up allocations into the trees' pool, its state read and set back.
+    pool = (7, 7)
+    moonbright.begin_allocate_to_pool(pool)
+    with pytest.raises(RuntimeError, match="already allocates"):
+        moonbright.begin_allocate_to_pool(pool)
+    p = lib.moonbright_alloc(3 * PAGE, 0, None)
+    q = lib.moonbright_alloc(1000, 0, None)
+    assert moonbright.end_allocate_to_pool() == pool
+    with pytest.raises(RuntimeError, match="does not allocate into a graph pool"):
+        moonbright.end_allocate_to_pool()
+    r = lib.moonbright_alloc(1000, 0, None)
+    state = [ptr for ptr, _ in moonbright.graph_pool_live(pool)]
+    assert state == sorted([p, q]), "the route's two blocks, not the later one"
+    moonbright.free_async(q, 0)
+    assert moonbright.graph_pool_free()[0] == 1
+    assert moonbright.set_graph_pool_live(pool, state, 0) == ([q], [])
+    assert moonbright.graph_pool_free()[0] == 0
+    assert moonbright.set_graph_pool_live(pool, [p], 0) == ([], [q])
+    with pytest.raises(RuntimeError, match="not a block of pool"):
+        moonbright.set_graph_pool_live(pool, [p, r], 0)
+    assert [ptr for ptr, _ in moonbright.graph_pool_live(pool)] == [p], "the refusal changed nothing"
+    moonbright.free_async(p, 0)
+    with pytest.raises(RuntimeError, match="double free"):
+        moonbright.free_async(p, 0)
+    moonbright.release_graph_pool(pool)  # the route was its only user: its blocks go back
+    assert moonbright.graph_pool_free() == (0, 0)
+    assert moonbright.graph_pool_live(pool) == []
+    lib.moonbright_free(r, 1000, 0, None)
+    moonbright.check_invariants()
+
+
 def test_set_cap_and_memory_fraction():
     # In a process of its own: the cap outlives the test.
     r = run_py(

@@ -753,6 +753,53 @@ fn release_graph_pool(pool: (u64, u64), device: Option<i32>) -> PyResult<()> {
     get(device)?.release_graph_pool(pool).map_err(|e| py_err(e.to_string()))
 }
 
+/// Routes this thread's allocations outside captures into graph pool `pool` until
+/// `end_allocate_to_pool()` (PyTorch's `beginAllocateCurrentThreadToPool`, which CUDA-graph trees
+/// use for their warm-up runs); one more user of the pool, released with `release_graph_pool`.
+#[pyfunction]
+#[pyo3(signature = (pool, device=None))]
+fn begin_allocate_to_pool(pool: (u64, u64), device: Option<i32>) -> PyResult<()> {
+    get(device)?.begin_allocate_to_pool(pool).map_err(|e| py_err(e.to_string()))
+}
+
+/// Ends this thread's route into a graph pool; returns the pool.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn end_allocate_to_pool(device: Option<i32>) -> PyResult<(u64, u64)> {
+    get(device)?.end_allocate_to_pool().map_err(|e| py_err(e.to_string()))
+}
+
+/// The live blocks of graph pool `pool`: a list of (pointer, usable bytes) in address order.
+#[pyfunction]
+#[pyo3(signature = (pool, device=None))]
+fn graph_pool_live(pool: (u64, u64), device: Option<i32>) -> PyResult<Vec<(u64, u64)>> {
+    Ok(get(device)?.graph_pool_live(pool))
+}
+
+/// Makes `keep` (pointers) the live set of graph pool `pool`, as PyTorch's
+/// `setCheckpointPoolState`: returns (revived, freed) pointers. Blocks freed go back to the pool
+/// as freed on `stream`.
+#[pyfunction]
+#[pyo3(signature = (pool, keep, stream, device=None))]
+fn set_graph_pool_live(
+    pool: (u64, u64),
+    keep: Vec<u64>,
+    stream: u64,
+    device: Option<i32>,
+) -> PyResult<(Vec<u64>, Vec<u64>)> {
+    get(device)?
+        .set_graph_pool_live(pool, &keep, StreamHandle(stream))
+        .map_err(|e| py_err(e.to_string()))
+}
+
+/// Frees `ptr`, an allocation MoonBright made, in `stream`'s order (a CUstream handle as an
+/// int): what the pluggable allocator's free does, for memory PyTorch no longer tracks.
+#[pyfunction]
+#[pyo3(signature = (ptr, stream, device=None))]
+fn free_async(ptr: u64, stream: u64, device: Option<i32>) -> PyResult<()> {
+    get(device)?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))
+}
+
 /// (blocks, bytes) that graph pools hold free for their graphs on `device`.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -827,6 +874,11 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(graph_replayed, m)?)?;
     m.add_function(wrap_pyfunction!(release_graph_pool, m)?)?;
     m.add_function(wrap_pyfunction!(graph_pool_free, m)?)?;
+    m.add_function(wrap_pyfunction!(begin_allocate_to_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(end_allocate_to_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_pool_live, m)?)?;
+    m.add_function(wrap_pyfunction!(set_graph_pool_live, m)?)?;
+    m.add_function(wrap_pyfunction!(free_async, m)?)?;
     m.add_function(wrap_pyfunction!(set_cap, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(memory_fraction, m)?)?;

@@ -456,6 +456,53 @@ impl Allocator {
         self.shared.release_graph_pool(pool)
     }
 
+    /// Routes the calling thread's requests into graph pool `pool` outside any capture, as
+    /// PyTorch's `beginAllocateCurrentThreadToPool` (CUDA-graph trees' warm-up runs, whose
+    /// outputs later graphs must see as taken). Until
+    /// [`end_allocate_to_pool`](Self::end_allocate_to_pool), `malloc_async` and `malloc` on this
+    /// thread (on any stream not being captured) take a block the pool holds free, or new memory
+    /// no stream's queued work uses, and the block stays the pool's as a captured one does.
+    /// A block freed during the route is reused by it only on the stream that freed it. Blocks
+    /// freed before the route began are reused on any stream: the caller orders the route after
+    /// the work that used them, replays of the pool's graphs included, as PyTorch's trees do
+    /// (they synchronise the device first). The route
+    /// counts as one more graph of the pool: release it with
+    /// [`release_graph_pool`](Self::release_graph_pool) after ending it. A thread routed
+    /// already is refused (`Error::GraphPool`).
+    pub fn begin_allocate_to_pool(&self, pool: (u64, u64)) -> Result<()> {
+        self.shared.begin_allocate_to_pool(pool)
+    }
+
+    /// Ends the calling thread's route (PyTorch's `endAllocateToPool`) and returns its pool;
+    /// `Error::GraphPool` if it had none.
+    pub fn end_allocate_to_pool(&self) -> Result<(u64, u64)> {
+        self.shared.end_allocate_to_pool()
+    }
+
+    /// The live blocks of graph pool `pool` (handed out, not freed back), as (pointer, usable
+    /// bytes) in address order: PyTorch's checkpointed pool state, and what its
+    /// `checkPoolLiveAllocations` compares with the tensors it knows. Empty for an unknown pool.
+    pub fn graph_pool_live(&self, pool: (u64, u64)) -> Vec<(u64, u64)> {
+        self.shared.graph_pool_live(pool)
+    }
+
+    /// Makes `keep` the live set of graph pool `pool`, as PyTorch's `setCheckpointPoolState`
+    /// sets back a state [`graph_pool_live`](Self::graph_pool_live) read: blocks in `keep` that
+    /// the pool holds free count as allocated again at the same addresses (a graph replayed
+    /// since writes there), and live blocks not in `keep` go back to the pool as freed on
+    /// `stream`. Returns (revived, freed), each in address order. A revived block is freed as
+    /// any other, once. Refused with nothing changed (`Error::GraphPool`) while a capture into
+    /// the pool is in progress, for a pool with no graph, or for a pointer of `keep` that is
+    /// not a block of the pool.
+    pub fn set_graph_pool_live(
+        &self,
+        pool: (u64, u64),
+        keep: &[DevicePtr],
+        stream: StreamHandle,
+    ) -> Result<(Vec<DevicePtr>, Vec<DevicePtr>)> {
+        self.shared.set_graph_pool_live(pool, keep, stream)
+    }
+
     /// Blocks and bytes graph pools hold free for their graphs (counted as reserved, not as
     /// allocated, in [`stats`](Self::stats), as PyTorch counts its graph pools' free blocks).
     pub fn graph_pool_free(&self) -> (usize, u64) {

@@ -397,3 +397,137 @@ fn out_of_memory_inside_a_capture_changes_nothing() {
     end(&a, s);
     a.check_invariants().unwrap();
 }
+
+// ---- CUDA-graph trees: routes and a pool's live set ----------------------------------------------
+
+/// A pool kept alive by one empty graph, as PyTorch's trees keep theirs.
+fn pool_with_a_graph(a: &Allocator, s: StreamHandle) {
+    capture(a, s, POOL);
+    end(a, s);
+}
+
+#[test]
+fn a_routed_thread_allocates_into_the_pool_and_no_other_does() {
+    let a = Allocator::new(Options { validate: true, ..opts() }).unwrap();
+    let s = streams(&a, 2);
+    pool_with_a_graph(&a, s[0]);
+    let is_pool_error = |r: moonbright::Result<()>| matches!(r, Err(Error::GraphPool { .. }));
+    assert!(matches!(a.end_allocate_to_pool(), Err(Error::GraphPool { .. })), "no route");
+
+    a.begin_allocate_to_pool(POOL).unwrap();
+    assert!(is_pool_error(a.begin_allocate_to_pool((0, 9))), "routed already");
+    let x = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    let y = a.malloc(5000).unwrap();
+    let elsewhere =
+        std::thread::scope(|t| t.spawn(|| a.malloc_async(3 * PAGE, s[1])).join()).unwrap().unwrap();
+    let usable = |p: u64| a.graph_pool_live(POOL).into_iter().find(|&(q, _)| q == p);
+    assert!(usable(x).is_some() && usable(y).is_some(), "{:?}", a.graph_pool_live(POOL));
+    assert_eq!(usable(elsewhere), None, "another thread's request is not routed");
+    assert_eq!(a.graph_pool_live(POOL).len(), 2);
+
+    // A routed free keeps the block in the pool; the route reuses it on the freeing stream only.
+    a.free_async(x, s[0]).unwrap();
+    assert_eq!(a.graph_pool_free().0, 1);
+    let w = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert!(w != x && usable(w).is_some(), "another stream gets new memory of the pool");
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]), Ok(x), "the freeing stream reuses it");
+    a.free_async(w, s[1]).unwrap();
+    assert_eq!(a.end_allocate_to_pool(), Ok(POOL));
+    a.release_graph_pool(POOL).unwrap();
+
+    // A later route reuses on any stream what was freed before it began.
+    a.begin_allocate_to_pool(POOL).unwrap();
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]), Ok(w));
+    a.free_async(w, s[0]).unwrap();
+    assert_eq!(a.end_allocate_to_pool(), Ok(POOL));
+    a.release_graph_pool(POOL).unwrap();
+
+    // Off the route: ordinary memory again; the pool keeps its graph's blocks.
+    let z = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    assert_eq!(usable(z), None);
+    for p in [x, y] {
+        a.free_async(p, s[0]).unwrap();
+    }
+    assert_eq!(a.graph_pool_free().0, 3);
+    assert!(a.graph_pool_live(POOL).is_empty());
+    for p in [z, elsewhere] {
+        a.free_async(p, s[0]).unwrap();
+    }
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!(a.graph_pool_free(), (0, 0), "the last graph handed the pool back");
+    assert!(is_pool_error(a.release_graph_pool(POOL)), "the route was released already");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pools_live_set_is_read_and_set_back() {
+    let a = Allocator::new(Options { validate: true, ..opts() }).unwrap();
+    let s = streams(&a, 2);
+    let allocated = |a: &Allocator| a.stats().allocated_bytes.current;
+    pool_with_a_graph(&a, s[0]);
+    a.begin_allocate_to_pool(POOL).unwrap();
+    let (p, q, r) = (
+        a.malloc_async(3 * PAGE, s[0]).unwrap(),
+        a.malloc_async(1000, s[0]).unwrap(),
+        a.malloc_async(PAGE, s[0]).unwrap(),
+    );
+    for (ptr, n) in [(p, 3 * PAGE), (q, 1000), (r, PAGE)] {
+        stamp(&a, ptr, n, ptr).unwrap();
+    }
+    // The checkpoint: what a graph recorded then would write to.
+    let state: Vec<u64> = a.graph_pool_live(POOL).into_iter().map(|(ptr, _)| ptr).collect();
+    let mut expected = vec![p, q, r];
+    expected.sort_unstable();
+    assert_eq!(state, expected);
+    let at_checkpoint = allocated(&a);
+
+    // Its tensors die, and a later request takes other memory of the pool.
+    a.free_async(q, s[0]).unwrap();
+    a.free_async(r, s[0]).unwrap();
+    let later = a.malloc_async(9 * PAGE, s[0]).unwrap();
+    assert!(![p, q, r].contains(&later));
+
+    // Set back: q and r are live again where they were, the later block is the pool's free one.
+    let (revived, freed) = a.set_graph_pool_live(POOL, &state, s[1]).unwrap();
+    let mut both = vec![q, r];
+    both.sort_unstable();
+    assert_eq!((revived, freed), (both, vec![later]));
+    assert_eq!(allocated(&a), at_checkpoint, "counted as at the checkpoint");
+    assert_eq!(a.graph_pool_free().0, 1);
+    assert!(verify(&a, q, 1000, q).is_ok() && verify(&a, r, PAGE, r).is_ok(), "memory untouched");
+    a.check_invariants().unwrap();
+
+    // Refusals change nothing.
+    let live = a.graph_pool_live(POOL);
+    let other = a.malloc(100);
+    assert_eq!(a.end_allocate_to_pool(), Ok(POOL));
+    let outside = a.malloc_async(100, s[0]).unwrap();
+    let refused =
+        |r: moonbright::Result<(Vec<u64>, Vec<u64>)>| matches!(r, Err(Error::GraphPool { .. }));
+    assert!(refused(a.set_graph_pool_live(POOL, &[p, outside], s[0])), "not the pool's");
+    assert!(refused(a.set_graph_pool_live((0, 7), &[], s[0])), "no such pool");
+    let id = host(&a).begin_capture(s[1]);
+    a.begin_graph_capture(s[1], POOL).unwrap();
+    assert!(refused(a.set_graph_pool_live(POOL, &state, s[0])), "a capture is in progress");
+    end(&a, s[1]);
+    let _ = id;
+    let mut with_other = live.clone();
+    let other = other.unwrap();
+    with_other.push((other, a.graph_pool_live(POOL).iter().find(|b| b.0 == other).unwrap().1));
+    with_other.sort_unstable();
+    assert_eq!(a.graph_pool_live(POOL), with_other, "only the routed request was added");
+
+    // A revived block is freed once, like any other.
+    a.free_async(q, s[0]).unwrap();
+    assert_eq!(a.free_async(q, s[0]), Err(Error::DoubleFree { ptr: q }));
+    for ptr in [p, r, other, outside] {
+        a.free_async(ptr, s[0]).unwrap();
+    }
+    a.release_graph_pool(POOL).unwrap(); // the route
+    a.release_graph_pool(POOL).unwrap(); // the recorded graph
+    a.release_graph_pool(POOL).unwrap(); // the empty graph
+    assert_eq!(a.graph_pool_free(), (0, 0));
+    assert_eq!(a.stats().allocations.current, 0);
+    a.release_unused().unwrap();
+    a.check_invariants().unwrap();
+}

@@ -8,8 +8,14 @@
 //! every stream the graphs were replayed on, and its live blocks are handed back as they are
 //! freed. Pure bookkeeping: the heap still counts every block as a live allocation, and
 //! `stream::graphs` makes the calls.
+//!
+//! Two more uses serve PyTorch's CUDA-graph trees (`torch.compile(mode="reduce-overhead")`):
+//! a *route* sends one thread's requests into a pool outside any capture (their warm-up runs,
+//! PyTorch's `beginAllocateCurrentThreadToPool`), and a pool's live set can be read and set
+//! back (`live_blocks`, `set_live`: PyTorch's checkpointed pool state), so that a new graph is
+//! recorded beside the outputs of the graphs replayed before it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// A pool's identity: PyTorch's `MempoolId_t` (a pair), or any pair a C caller picks.
 pub type PoolId = (u64, u64);
@@ -25,6 +31,9 @@ struct FreeBlock {
     freed_in: Option<(u64, u64)>,
     /// The stream its last free was ordered on (its handback to the heap waits for it).
     stream: u64,
+    /// When it was freed, in the pools' count of frees (a route reuses on other streams only
+    /// blocks freed before it began).
+    seq: u64,
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +83,11 @@ pub(crate) struct GraphPools {
     /// Blocks whose handback failed because a stream they wait for was being captured; tried
     /// again at the next capture end, release or `release_unused`.
     stranded: Vec<HandBack>,
+    /// Routes: a thread's token -> the pool its requests go to outside any capture, and the
+    /// count of frees when the route began.
+    routes: HashMap<u64, (PoolId, u64)>,
+    /// Frees into pools so far (`FreeBlock::seq`).
+    frees: u64,
 }
 
 /// A free block serves a request of `size` if it is no more than twice as large (plus a page's
@@ -98,6 +112,110 @@ impl GraphPools {
     /// Whether a capture begun into a pool is in progress.
     pub fn capturing(&self) -> bool {
         !self.captures.is_empty()
+    }
+
+    /// Whether some thread's requests are routed into a pool.
+    pub fn routing(&self) -> bool {
+        !self.routes.is_empty()
+    }
+
+    /// The pool thread `token`'s requests are routed into, if any.
+    pub fn route_of(&self, token: u64) -> Option<PoolId> {
+        self.routes.get(&token).map(|&(p, _)| p)
+    }
+
+    /// Routes thread `token`'s requests outside captures into `pool` (one more user of the pool,
+    /// released with [`Self::release`] as a graph is), until [`Self::end_route`]. A thread
+    /// routed already is refused.
+    pub fn begin_route(&mut self, token: u64, pool: PoolId) -> Result<(), String> {
+        if let Some((p, _)) = self.routes.get(&token) {
+            return Err(format!("this thread already allocates into pool {p:?}"));
+        }
+        self.routes.insert(token, (pool, self.frees));
+        self.pools.entry(pool).or_default().graphs += 1;
+        Ok(())
+    }
+
+    /// Ends thread `token`'s route: its pool, or `None` if it had none.
+    pub fn end_route(&mut self, token: u64) -> Option<PoolId> {
+        self.routes.remove(&token).map(|(p, _)| p)
+    }
+
+    /// A free block of `pool` for a request of `size` bytes on `stream` from thread `token`'s
+    /// route: the smallest that fits among those no capture in progress freed, and that were
+    /// freed on `stream` or before the route began (the caller ordered its start after the work
+    /// that used them, as PyTorch's trees do by synchronising).
+    pub fn reuse_routed(&mut self, token: u64, stream: u64, size: u64, page: u64) -> Option<u64> {
+        let &(pool, began) = self.routes.get(&token)?;
+        let p = self.pools.get_mut(&pool)?;
+        let usable = |b: &FreeBlock| {
+            fits(b.size, size, page)
+                && b.freed_in.is_none()
+                && (b.stream == stream || b.seq <= began)
+        };
+        let (i, _) =
+            p.free.iter().enumerate().filter(|(_, b)| usable(b)).min_by_key(|(_, b)| b.size)?;
+        let b = p.free.swap_remove(i);
+        p.live += 1;
+        Some(b.ptr)
+    }
+
+    /// The live blocks of `pool` (handed out and not freed back), as (pointer, usable bytes),
+    /// in address order.
+    pub fn live_blocks(&self, pool: PoolId) -> Vec<(u64, u64)> {
+        let Some(p) = self.pools.get(&pool) else { return Vec::new() };
+        let free: HashSet<u64> = p.free.iter().map(|b| b.ptr).collect();
+        let mut live: Vec<(u64, u64)> = self
+            .owner
+            .iter()
+            .filter(|(ptr, (o, _))| *o == pool && !free.contains(*ptr))
+            .map(|(&ptr, &(_, size))| (ptr, size))
+            .collect();
+        live.sort_unstable();
+        live
+    }
+
+    /// Makes `keep` the live set of `pool` (PyTorch's `setCheckpointPoolState`): its free blocks
+    /// in `keep` are live again, and its live blocks not in `keep` are freed back to it, as
+    /// freed on `stream`. Returns (revived, freed). Refused, with nothing changed, while a
+    /// capture into the pool is in progress, or if `keep` names a pointer that is no block of
+    /// the pool.
+    pub fn set_live(
+        &mut self,
+        pool: PoolId,
+        keep: &[u64],
+        stream: u64,
+    ) -> Result<(Vec<u64>, Vec<u64>), String> {
+        if self.captures.values().any(|&(p, _)| p == pool) {
+            return Err(format!("a capture into pool {pool:?} is in progress"));
+        }
+        let Some(p) = self.pools.get_mut(&pool).filter(|p| p.graphs > 0) else {
+            return Err(format!("pool {pool:?} has no graph"));
+        };
+        let outside = |ptr: &&u64| self.owner.get(ptr).map_or(true, |&(o, _)| o != pool);
+        if let Some(bad) = keep.iter().find(outside) {
+            return Err(format!("{bad:#x} is not a block of pool {pool:?}"));
+        }
+        let keep: HashSet<u64> = keep.iter().copied().collect();
+        let (revive, stay): (Vec<FreeBlock>, Vec<FreeBlock>) =
+            p.free.drain(..).partition(|b| keep.contains(&b.ptr));
+        p.free = stay;
+        let free_now: HashSet<u64> = p.free.iter().map(|b| b.ptr).collect();
+        let mut freed: Vec<(u64, u64)> = self
+            .owner
+            .iter()
+            .filter(|(ptr, (o, _))| *o == pool && !keep.contains(ptr) && !free_now.contains(ptr))
+            .map(|(&ptr, &(_, size))| (ptr, size))
+            .collect();
+        freed.sort_unstable();
+        p.live = p.live + revive.len() - freed.len(); // `freed` were live
+        for &(ptr, size) in &freed {
+            self.frees += 1;
+            p.free.push(FreeBlock { ptr, size, freed_in: None, stream, seq: self.frees });
+        }
+        let mut revived: Vec<u64> = revive.iter().map(|b| b.ptr).collect();
+        revived.sort_unstable();
+        Ok((revived, freed.into_iter().map(|(ptr, _)| ptr).collect()))
     }
 
     /// The pool that capture `capture` allocates into, if one was begun for it.
@@ -195,7 +313,8 @@ impl GraphPools {
             return PoolFree::HandBack { uses };
         }
         let freed_in = capture.map(|c| (c, stream));
-        p.free.push(FreeBlock { ptr, size, freed_in, stream });
+        self.frees += 1;
+        p.free.push(FreeBlock { ptr, size, freed_in, stream, seq: self.frees });
         PoolFree::Kept
     }
 
@@ -313,6 +432,52 @@ mod tests {
         assert_eq!(g.pools(), 0);
         assert!(g.release(P).is_err(), "no graph left to release");
         assert_eq!(g.free(0xb, 5, None), PoolFree::NotPooled);
+    }
+
+    #[test]
+    fn a_route_reuses_on_other_streams_only_what_was_freed_before_it_began() {
+        let mut g = GraphPools::default();
+        g.adopt(P, 0xa, 4096);
+        g.adopt(P, 0xb, 4096);
+        g.begin_route(1, P).unwrap();
+        assert!(g.routing() && g.route_of(1) == Some(P) && g.route_of(2).is_none());
+        assert!(g.begin_route(1, P).is_err(), "routed already");
+        g.free(0xa, 5, None);
+        assert_eq!(g.end_route(1), Some(P));
+        g.begin_route(1, P).unwrap();
+        g.free(0xb, 5, None);
+        assert_eq!(g.reuse_routed(1, 6, 4096, PAGE), Some(0xa), "freed before the route");
+        assert_eq!(g.reuse_routed(1, 6, 4096, PAGE), None, "0xb: freed since, on stream 5");
+        assert_eq!(g.reuse_routed(1, 5, 4096, PAGE), Some(0xb));
+        assert_eq!(g.reuse_routed(2, 5, 4096, PAGE), None, "thread 2 has no route");
+        assert_eq!(g.end_route(1), Some(P));
+        assert!(!g.routing() && g.end_route(1).is_none());
+    }
+
+    #[test]
+    fn setting_a_live_set_revives_and_frees_and_refuses_what_is_not_the_pools() {
+        let mut g = GraphPools::default();
+        g.begin(1, 5, P).unwrap();
+        for ptr in [0xa, 0xb, 0xc] {
+            g.adopt(P, ptr, 4096);
+        }
+        g.adopt((0, 2), 0xd, 4096);
+        assert!(g.set_live(P, &[0xa], 5).is_err(), "a capture into the pool is in progress");
+        g.end(5);
+        g.free(0xb, 5, None);
+        assert_eq!(g.live_blocks(P), vec![(0xa, 4096), (0xc, 4096)]);
+        assert!(g.set_live(P, &[0xa, 0xd], 5).is_err(), "0xd is another pool's");
+        assert!(g.set_live((0, 9), &[], 5).is_err(), "no such pool");
+        assert_eq!(g.live_blocks(P), vec![(0xa, 4096), (0xc, 4096)], "refusals change nothing");
+        assert_eq!(g.set_live(P, &[0xa, 0xb], 7), Ok((vec![0xb], vec![0xc])));
+        assert_eq!(g.live_blocks(P), vec![(0xa, 4096), (0xb, 4096)]);
+        assert_eq!(g.free_blocks(), (1, 4096));
+        assert_eq!(g.free(0xc, 7, None), PoolFree::DoubleFree, "0xc is free now");
+        // Released: the free block goes back, the live ones as they are freed.
+        assert_eq!(g.release(P).unwrap().len(), 1);
+        assert!(matches!(g.free(0xa, 7, None), PoolFree::HandBack { .. }));
+        assert!(matches!(g.free(0xb, 7, None), PoolFree::HandBack { .. }));
+        assert!(g.live_blocks(P).is_empty());
     }
 
     #[test]

@@ -544,6 +544,13 @@ impl Heap {
         self.count(size, rounded);
     }
 
+    /// A graph pool makes its kept block at `ptr` live again as it was (a checkpointed pool
+    /// state set back), for `stream`: it counts as allocated again, with the size last asked.
+    pub fn pool_revive(&mut self, ptr: u64, stream: u64) {
+        let Some(size) = self.live.get(&ptr).filter(|l| l.pooled).map(|l| l.size) else { return };
+        self.pool_reuse(ptr, size, stream);
+    }
+
     /// Remembers a freed pointer, to tell a double free from an unknown pointer.
     fn remember_free(&mut self, ptr: u64) {
         if self.recent_frees.len() == RECENT_FREES {

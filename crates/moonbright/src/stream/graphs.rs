@@ -1,6 +1,8 @@
 //! CUDA graphs in the front end: requests on a stream being captured into a graph, for a capture
-//! begun into a graph pool (`begin_graph_capture`), and the handback of a pool's memory once its
-//! last graph is released. The pools' bookkeeping is `core::graphs`; this file makes its calls.
+//! begun into a graph pool (`begin_graph_capture`), requests a thread routes into a pool outside
+//! captures (`begin_allocate_to_pool`), a pool's live set read and set back, and the handback of
+//! a pool's memory once its last graph is released. The pools' bookkeeping is `core::graphs`;
+//! this file makes its calls.
 //!
 //! During a capture no event may be recorded on the capturing stream (it would join the graph),
 //! so nothing here records one then: a pool's blocks need none (they stay the pool's), and a free
@@ -11,6 +13,16 @@ use crate::core::graphs::{HandBack, PoolFree, PoolId};
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
+
+/// This thread's token for routes (`begin_allocate_to_pool`): a number no other live thread has.
+fn thread_token() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TOKEN.with(|t| *t)
+}
 
 /// The heap's stream for a pool's new blocks: no real stream, so that they come only from
 /// memory no stream's pending work uses (the graph's replays are ordered with no stream's).
@@ -64,6 +76,81 @@ impl Shared {
             first.get_or_insert(e);
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Routes this thread's requests outside captures into graph pool `pool` (PyTorch's
+    /// `beginAllocateCurrentThreadToPool`), until `end_allocate_to_pool`; one more user of the
+    /// pool, released by `release_graph_pool` as a graph is.
+    pub fn begin_allocate_to_pool(&self, pool: PoolId) -> Result<()> {
+        self.with_graphs(|g| g.begin_route(thread_token(), pool))
+            .map_err(|reason| Error::GraphPool { reason })
+    }
+
+    /// Ends this thread's route (PyTorch's `endAllocateToPool`): its pool.
+    pub fn end_allocate_to_pool(&self) -> Result<PoolId> {
+        self.with_graphs(|g| g.end_route(thread_token())).ok_or_else(|| Error::GraphPool {
+            reason: "this thread does not allocate into a graph pool".into(),
+        })
+    }
+
+    /// The pool this thread's requests are routed into, if any (one atomic load when no thread
+    /// routes).
+    pub(super) fn routed_pool(&self) -> Option<PoolId> {
+        if !self.graphs_routing.load(Ordering::Acquire) {
+            return None;
+        }
+        self.with_graphs(|g| g.route_of(thread_token()))
+    }
+
+    /// A routed request on `stream`: a free block of the pool (`GraphPools::reuse_routed`), or
+    /// new memory that no stream's queued work uses, kept by the pool.
+    pub(super) fn malloc_routed(&self, size: u64, stream: u64, pool: PoolId) -> Result<DevicePtr> {
+        let page = self.driver.granularity() as u64;
+        let reused = self.with_graphs(|g| {
+            let reused = g.reuse_routed(thread_token(), stream, size, page);
+            if let Some(ptr) = reused {
+                self.heap().pool_reuse(ptr, size, stream);
+            }
+            reused
+        });
+        if let Some(ptr) = reused {
+            return Ok(ptr);
+        }
+        let ptr = self.malloc_on(size, GRAPH_STREAM)?;
+        let usable = self.heap().usable_size(ptr).unwrap_or(size);
+        self.with_graphs(|g| g.adopt(pool, ptr, usable));
+        Ok(ptr)
+    }
+
+    /// The live blocks of `pool`, (pointer, usable bytes) in address order (PyTorch's
+    /// checkpointed pool state, and what `checkPoolLiveAllocations` compares).
+    pub fn graph_pool_live(&self, pool: PoolId) -> Vec<(u64, u64)> {
+        self.with_graphs(|g| g.live_blocks(pool))
+    }
+
+    /// Makes `keep` the live set of `pool` (PyTorch's `setCheckpointPoolState`): blocks in it
+    /// that the pool holds free count as allocated again, and live blocks not in it go back to
+    /// the pool as freed on `stream`. Returns (revived, freed); refused with nothing changed
+    /// while a capture into the pool is in progress, or for a pointer that is not the pool's.
+    pub fn set_graph_pool_live(
+        &self,
+        pool: PoolId,
+        keep: &[u64],
+        stream: StreamHandle,
+    ) -> Result<(Vec<u64>, Vec<u64>)> {
+        self.with_graphs(|g| {
+            let (revived, freed) = g.set_live(pool, keep, stream.0)?;
+            // Under the pools' lock, as a free or a reuse counts its block.
+            let mut heap = self.heap();
+            for &p in &revived {
+                heap.pool_revive(p, stream.0);
+            }
+            for &p in &freed {
+                heap.pool_keep(p);
+            }
+            Ok((revived, freed))
+        })
+        .map_err(|reason| Error::GraphPool { reason })
     }
 
     /// Memory no stream's queued work may still use, kept by the caller for a graph.
@@ -177,13 +264,15 @@ impl Shared {
         first.map_or(Ok(()), Err)
     }
 
-    /// Runs `f` on the graph pools under their lock, and keeps `graphs_active` in step. `f` may
+    /// Runs `f` on the graph pools under their lock, and keeps `graphs_active` and
+    /// `graphs_routing` in step. `f` may
     /// take the heap's lock (to count a pool's block in or out); nothing takes the pools' lock
     /// while holding the heap's.
     fn with_graphs<T>(&self, f: impl FnOnce(&mut crate::core::graphs::GraphPools) -> T) -> T {
         let mut g = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let out = f(&mut g);
         self.graphs_active.store(g.active(), Ordering::Release);
+        self.graphs_routing.store(g.routing(), Ordering::Release);
         out
     }
 }

@@ -84,6 +84,9 @@ pub(crate) struct Shared {
     graphs: Mutex<crate::core::graphs::GraphPools>,
     /// Whether a free must look at the graph pools (`GraphPools::active`), kept under their lock.
     graphs_active: AtomicBool,
+    /// Whether some thread routes its requests into a graph pool (`GraphPools::routing`), kept
+    /// under their lock.
+    graphs_routing: AtomicBool,
     /// Captures announced in progress (`capture_starting` less `capture_finished`); with
     /// `Options::captures_announced`, streams are checked for a capture only while it is not 0.
     captures_in_progress: AtomicUsize,
@@ -105,6 +108,7 @@ impl Shared {
             peers: RwLock::new(Vec::new()),
             graphs: Mutex::new(Default::default()),
             graphs_active: AtomicBool::new(false),
+            graphs_routing: AtomicBool::new(false),
             captures_in_progress: AtomicUsize::new(0),
             record_gate: Mutex::new(()),
         }
@@ -226,7 +230,8 @@ impl Shared {
     // ---- requests -------------------------------------------------------------------------------
 
     /// Allocates for `stream` (`None`: the caller orders everything itself, no capture check).
-    /// On a stream being captured into a graph, from the capture's graph pool (`graphs.rs`).
+    /// On a stream being captured into a graph, from the capture's graph pool; on a thread
+    /// routed into a graph pool, from that pool (`graphs.rs`).
     pub fn malloc(&self, size: u64, stream: Option<StreamHandle>) -> Result<DevicePtr> {
         let s = match stream {
             Some(s) => {
@@ -237,6 +242,9 @@ impl Shared {
             }
             None => 0,
         };
+        if let Some(pool) = self.routed_pool() {
+            return self.malloc_routed(size, s, pool);
+        }
         self.malloc_on(size, s)
     }
 
