@@ -494,6 +494,67 @@ int mb_graph_replayed(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t poo
 int mb_release_graph_pool(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t pool_lo);
 
 /**
+ * Routes the calling thread's requests outside captures into graph pool `(pool_hi, pool_lo)`
+ * until `mb_end_allocate_to_pool` (PyTorch's `beginAllocateCurrentThreadToPool`, which
+ * CUDA-graph trees use for warm-up runs): `mb_malloc_async` and `mb_malloc` on this thread
+ * take a block the pool holds free (one freed before the route began, on any stream; one freed
+ * during it, on its freeing stream only) or new memory, which stays the pool's. The caller
+ * orders the route after the work of the pool's graphs (PyTorch's trees synchronise first).
+ * The route is one more user of the pool: call `mb_release_graph_pool` after ending it.
+ * Returns `MB_ERR_STREAM_CAPTURE` if this thread is routed already.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_begin_allocate_to_pool(struct mb_allocator *alloc, uint64_t pool_hi, uint64_t pool_lo);
+
+/**
+ * Ends the calling thread's route into a graph pool. Returns `MB_ERR_STREAM_CAPTURE` if it
+ * had none.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_end_allocate_to_pool(struct mb_allocator *alloc);
+
+/**
+ * The live blocks of graph pool `(pool_hi, pool_lo)` (handed out and not freed back): their
+ * count in `*count`, and the first `cap` of their addresses, in address order, in `ptrs`
+ * (NULL when `cap` is 0, to ask for the count). A pool's state to set back later with
+ * `mb_set_graph_pool_live`. An unknown pool has none.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `ptrs` is NULL or valid for writes of
+ * `cap` values; `count` is NULL or valid for a write.
+ */
+int mb_graph_pool_live(struct mb_allocator *alloc,
+                       uint64_t pool_hi,
+                       uint64_t pool_lo,
+                       uint64_t *ptrs,
+                       size_t cap,
+                       size_t *count);
+
+/**
+ * Makes the `n` addresses at `keep` the live set of graph pool `(pool_hi, pool_lo)`, as
+ * PyTorch's `setCheckpointPoolState` sets back a state `mb_graph_pool_live` read: blocks among
+ * them that the pool holds free count as allocated again at the same addresses, and the
+ * pool's other live blocks go back to it as freed on `stream`. Each block is then freed once,
+ * as any other. Returns `MB_ERR_STREAM_CAPTURE`, with nothing changed, while a capture into
+ * the pool is in progress, for a pool with no graph, or for an address that is not a block of
+ * the pool.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `keep` is NULL (only with `n` 0) or valid
+ * for reads of `n` values.
+ */
+int mb_set_graph_pool_live(struct mb_allocator *alloc,
+                           uint64_t pool_hi,
+                           uint64_t pool_lo,
+                           const uint64_t *keep,
+                           size_t n,
+                           void *stream);
+
+/**
  * Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
  *
  * Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed

@@ -645,6 +645,114 @@ pub unsafe extern "C" fn mb_release_graph_pool(
     })
 }
 
+/// Routes the calling thread's requests outside captures into graph pool `(pool_hi, pool_lo)`
+/// until `mb_end_allocate_to_pool` (PyTorch's `beginAllocateCurrentThreadToPool`, which
+/// CUDA-graph trees use for warm-up runs): `mb_malloc_async` and `mb_malloc` on this thread
+/// take a block the pool holds free (one freed before the route began, on any stream; one freed
+/// during it, on its freeing stream only) or new memory, which stays the pool's. The caller
+/// orders the route after the work of the pool's graphs (PyTorch's trees synchronise first).
+/// The route is one more user of the pool: call `mb_release_graph_pool` after ending it.
+/// Returns `MB_ERR_STREAM_CAPTURE` if this thread is routed already.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_begin_allocate_to_pool(
+    alloc: *mut mb_allocator,
+    pool_hi: u64,
+    pool_lo: u64,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        Ok(a.begin_allocate_to_pool((pool_hi, pool_lo))?)
+    })
+}
+
+/// Ends the calling thread's route into a graph pool. Returns `MB_ERR_STREAM_CAPTURE` if it
+/// had none.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`.
+#[no_mangle]
+pub unsafe extern "C" fn mb_end_allocate_to_pool(alloc: *mut mb_allocator) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        a.end_allocate_to_pool()?;
+        Ok(())
+    })
+}
+
+/// The live blocks of graph pool `(pool_hi, pool_lo)` (handed out and not freed back): their
+/// count in `*count`, and the first `cap` of their addresses, in address order, in `ptrs`
+/// (NULL when `cap` is 0, to ask for the count). A pool's state to set back later with
+/// `mb_set_graph_pool_live`. An unknown pool has none.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `ptrs` is NULL or valid for writes of
+/// `cap` values; `count` is NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn mb_graph_pool_live(
+    alloc: *mut mb_allocator,
+    pool_hi: u64,
+    pool_lo: u64,
+    ptrs: *mut u64,
+    cap: usize,
+    count: *mut usize,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        if ptrs.is_null() && cap > 0 {
+            return Err(Failure::null("ptrs"));
+        }
+        let live = a.graph_pool_live((pool_hi, pool_lo));
+        // SAFETY: `count` is NULL (refused) or valid for a write, by the caller's contract.
+        unsafe { write_out(count, "count", live.len()) }?;
+        for (i, &(p, _)) in live.iter().take(cap).enumerate() {
+            // SAFETY: `ptrs` is non-NULL here and valid for `cap` writes, and `i < cap`.
+            unsafe { ptrs.add(i).write_unaligned(p) };
+        }
+        Ok(())
+    })
+}
+
+/// Makes the `n` addresses at `keep` the live set of graph pool `(pool_hi, pool_lo)`, as
+/// PyTorch's `setCheckpointPoolState` sets back a state `mb_graph_pool_live` read: blocks among
+/// them that the pool holds free count as allocated again at the same addresses, and the
+/// pool's other live blocks go back to it as freed on `stream`. Each block is then freed once,
+/// as any other. Returns `MB_ERR_STREAM_CAPTURE`, with nothing changed, while a capture into
+/// the pool is in progress, for a pool with no graph, or for an address that is not a block of
+/// the pool.
+///
+/// # Safety
+/// `alloc` is NULL or a live handle from `mb_create`; `keep` is NULL (only with `n` 0) or valid
+/// for reads of `n` values.
+#[no_mangle]
+pub unsafe extern "C" fn mb_set_graph_pool_live(
+    alloc: *mut mb_allocator,
+    pool_hi: u64,
+    pool_lo: u64,
+    keep: *const u64,
+    n: usize,
+    stream: *mut c_void,
+) -> c_int {
+    call(|| {
+        // SAFETY: `alloc` is NULL or a live handle, by the caller's contract.
+        let a = unsafe { allocator(alloc) }?;
+        let keep: Vec<u64> = match (keep.is_null(), n) {
+            (_, 0) => Vec::new(),
+            (true, _) => return Err(Failure::null("keep")),
+            // SAFETY: `keep` is non-NULL and valid for `n` reads, by the caller's contract;
+            // each is read unaligned, so its alignment does not matter.
+            (false, _) => (0..n).map(|i| unsafe { keep.add(i).read_unaligned() }).collect(),
+        };
+        a.set_graph_pool_live((pool_hi, pool_lo), &keep, StreamHandle(stream as u64))?;
+        Ok(())
+    })
+}
+
 /// Frees an allocation made by `mb_malloc` on this allocator. No device work may still use it.
 ///
 /// Returns `MB_ERR_INVALID_POINTER` for an address this allocator did not return, one freed

@@ -518,3 +518,61 @@ fn graph_pool_calls_that_match_no_capture_are_refused() {
         mb_destroy(a);
     }
 }
+
+#[test]
+fn a_routed_thread_fills_a_graph_pool_whose_live_set_is_read_and_set_back() {
+    // SAFETY: `a` is a live handle from `mb_create`, destroyed once; NULL where meant; the
+    // buffers passed are as long as the counts given.
+    unsafe {
+        let a = create(&host_options());
+        let s = ptr::null_mut();
+        assert_eq!(mb_end_allocate_to_pool(a), MB_ERR_STREAM_CAPTURE, "no route");
+        assert_eq!(mb_begin_allocate_to_pool(a, 0, 5), MB_OK);
+        assert_eq!(mb_begin_allocate_to_pool(a, 0, 5), MB_ERR_STREAM_CAPTURE, "routed already");
+        let (mut p, mut q, mut r) = (0u64, 0u64, 0u64);
+        assert_eq!(mb_malloc_async(a, 3 << 20, s, &mut p), MB_OK);
+        assert_eq!(mb_malloc_async(a, 1000, s, &mut q), MB_OK);
+        assert_eq!(mb_end_allocate_to_pool(a), MB_OK);
+        assert_eq!(mb_malloc_async(a, 1000, s, &mut r), MB_OK);
+
+        let mut count = 0usize;
+        assert_eq!(mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 0, &mut count), MB_OK);
+        assert_eq!(count, 2, "the routed requests only");
+        let mut state = [0u64; 2];
+        assert_eq!(mb_graph_pool_live(a, 0, 5, state.as_mut_ptr(), 2, &mut count), MB_OK);
+        let mut expected = [p, q];
+        expected.sort_unstable();
+        assert_eq!(state, expected);
+        assert_eq!(
+            mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 1, &mut count),
+            MB_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 0, ptr::null_mut()),
+            MB_ERR_INVALID_ARGUMENT
+        );
+
+        assert_eq!(mb_free_async(a, q, s), MB_OK);
+        assert_eq!(mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 0, &mut count), MB_OK);
+        assert_eq!(count, 1);
+        assert_eq!(mb_set_graph_pool_live(a, 0, 5, state.as_ptr(), 2, s), MB_OK);
+        assert_eq!(mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 0, &mut count), MB_OK);
+        assert_eq!(count, 2, "q is live again");
+        let bad = [p, r];
+        assert_eq!(mb_set_graph_pool_live(a, 0, 5, bad.as_ptr(), 2, s), MB_ERR_STREAM_CAPTURE);
+        assert!(last_error().contains("not a block of pool"), "{}", last_error());
+        assert_eq!(mb_set_graph_pool_live(a, 0, 5, ptr::null(), 1, s), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_set_graph_pool_live(a, 0, 5, ptr::null(), 0, s), MB_OK, "none live");
+        assert_eq!(mb_graph_pool_live(a, 0, 5, ptr::null_mut(), 0, &mut count), MB_OK);
+        assert_eq!(count, 0);
+        assert_eq!(mb_free_async(a, q, s), MB_ERR_INVALID_POINTER, "q is the pool's free block");
+
+        assert_eq!(mb_release_graph_pool(a, 0, 5), MB_OK, "the route's use: the pool goes back");
+        assert_eq!(mb_free_async(a, r, s), MB_OK);
+        let mut st = std::mem::zeroed::<mb_stats>();
+        assert_eq!(mb_get_stats(a, &mut st), MB_OK);
+        assert_eq!(st.allocations.current, 0);
+        assert_eq!(mb_begin_allocate_to_pool(ptr::null_mut(), 0, 5), MB_ERR_INVALID_ARGUMENT);
+        mb_destroy(a);
+    }
+}
