@@ -90,8 +90,8 @@ back (:func:`moonbright.graph_pool_live`, :func:`moonbright.set_graph_pool_live`
 checkpoints its allocator's state, and the trees' checks compare MoonBright's live blocks. One
 difference from PyTorch's allocator: where the trees hand live tensors of replayed graphs a
 deleter (C++ only), MoonBright instead watches those tensors' storages and frees their blocks
-once they are dead, at the trees' next allocator call (or ``torch.cuda.empty_cache()``), not at
-once.
+once they are dead, at the trees' next allocator call or graph replay (or
+``torch.cuda.empty_cache()``), not at once.
 
 In pool mode, PyTorch's caching allocator keeps its own graph-private pools and asks MoonBright
 for segments while capturing (``torch.cuda.graph(g, pool=pool.id)``); MoonBright serves them
@@ -368,6 +368,7 @@ def _patch_graphs(torch: Any) -> None:
 
     def replay(self: Any) -> None:
         originals["replay"](self)
+        _graph_pool_keys["reap"]()
         state = self.__dict__.get("_moonbright")
         if state is not None:
             stream = int(torch.cuda.current_stream(state["device"]).cuda_stream)
@@ -432,7 +433,8 @@ def _patch_graph_trees(torch: Any) -> None:
       (:func:`moonbright.set_graph_pool_live`), before a new graph is recorded beside replayed
       ones. Blocks made live again belong to no tensor PyTorch's allocator knows: the storages
       the trees name for them are watched (weak references) and their blocks freed once they
-      are dead, at the next of these calls, a graph's release or ``torch.cuda.empty_cache()``;
+      are dead, at the next of these calls, a graph's replay or release, or
+      ``torch.cuda.empty_cache()``;
       the trees free the others with ``_cuda_cudaCachingAllocator_raw_delete`` or
       ``_free_And_Remove_DeleterFn``, which free such blocks through MoonBright, and
       ``_has_Standard_Deleter`` says yes for the watched storages;
@@ -483,6 +485,8 @@ def _patch_graph_trees(torch: Any) -> None:
         moonbright.free_async(ptr, stream_of(device), device)
 
     def reap() -> None:
+        if not ours:  # the common case, and every replay asks
+            return
         with lock:
             dead = [p for p, (_, ref) in ours.items() if ref is not None and ref.expired()]
             for p in dead:
