@@ -388,7 +388,10 @@ def _patch_graphs(torch: Any) -> None:
             moonbright.release_graph_pool(pool, state["device"])
         except Exception as e:  # noqa: BLE001 - never raise from a destructor
             warn("releasing a graph's memory", e)
-        _graph_pool_keys["reap"]()
+        try:
+            _graph_pool_keys["reap"]()
+        except Exception as e:  # noqa: BLE001 - never raise from a destructor
+            warn("freeing a graph pool's blocks", e)
 
     def reset(self: Any) -> None:
         originals["reset"](self)
@@ -434,10 +437,10 @@ def _patch_graph_trees(torch: Any) -> None:
       ones. Blocks made live again belong to no tensor PyTorch's allocator knows: the storages
       the trees name for them are watched (weak references) and their blocks freed once they
       are dead, at the next of these calls, a graph's replay or release, or
-      ``torch.cuda.empty_cache()``;
-      the trees free the others with ``_cuda_cudaCachingAllocator_raw_delete`` or
-      ``_free_And_Remove_DeleterFn``, which free such blocks through MoonBright, and
-      ``_has_Standard_Deleter`` says yes for the watched storages;
+      ``torch.cuda.empty_cache()``; the trees free the others with
+      ``_cuda_cudaCachingAllocator_raw_delete`` or ``_free_And_Remove_DeleterFn``, which free
+      such blocks through MoonBright, and ``_has_Standard_Deleter`` says yes for the watched
+      storages;
     - ``_cuda_checkPoolLiveAllocations``: whether the pool's live blocks are exactly the given
       pointers.
 

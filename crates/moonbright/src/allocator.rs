@@ -465,10 +465,9 @@ impl Allocator {
     /// A block freed during the route is reused by it only on the stream that freed it. Blocks
     /// freed before the route began are reused on any stream: the caller orders the route after
     /// the work that used them, replays of the pool's graphs included, as PyTorch's trees do
-    /// (they synchronise the device first). The route
-    /// counts as one more graph of the pool: release it with
-    /// [`release_graph_pool`](Self::release_graph_pool) after ending it. A thread routed
-    /// already is refused (`Error::GraphPool`).
+    /// (they synchronise the device first). The route counts as one more graph of the pool:
+    /// release it with [`release_graph_pool`](Self::release_graph_pool) after ending it. A
+    /// thread routed already is refused (`Error::GraphPool`).
     pub fn begin_allocate_to_pool(&self, pool: (u64, u64)) -> Result<()> {
         self.shared.begin_allocate_to_pool(pool)
     }
