@@ -531,3 +531,29 @@ fn a_pools_live_set_is_read_and_set_back() {
     a.release_unused().unwrap();
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn a_failed_routed_request_changes_nothing_and_the_route_goes_on() {
+    let a = Allocator::new(Options { cap_bytes: Some(8 * PAGE as u64), ..opts() }).unwrap();
+    let s = streams(&a, 1)[0];
+    pool_with_a_graph(&a, s);
+    a.begin_allocate_to_pool(POOL).unwrap();
+    let p = a.malloc_async(3 * PAGE, s).unwrap();
+    a.free_async(p, s).unwrap();
+    let state = |a: &Allocator| {
+        (a.stats().allocations.current, a.graph_pool_free(), a.graph_pool_live(POOL))
+    };
+    let before = state(&a);
+    assert!(matches!(a.malloc_async(6 * PAGE, s), Err(Error::OutOfMemory { .. })));
+    assert_eq!(state(&a), before);
+    a.driver().fail_nth(CallKind::Create, 1, None);
+    assert!(matches!(a.malloc_async(5 * PAGE, s), Err(Error::Driver(_))));
+    assert_eq!(state(&a), before);
+    assert_eq!(a.malloc_async(3 * PAGE, s), Ok(p), "still routed: the pool serves its block");
+    assert_eq!(a.end_allocate_to_pool(), Ok(POOL));
+    a.free_async(p, s).unwrap();
+    a.release_graph_pool(POOL).unwrap();
+    a.release_graph_pool(POOL).unwrap();
+    assert_eq!(a.graph_pool_free(), (0, 0));
+    a.check_invariants().unwrap();
+}
