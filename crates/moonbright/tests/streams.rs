@@ -224,22 +224,64 @@ fn streams_used_once_and_destroyed_leave_nothing_behind() {
     a.check_invariants().unwrap();
 }
 
+/// A sub-page block freed on a stream is its alone until the free completes, and free space
+/// next to it joins it (the arena's tail here): another stream gets a new arena meanwhile.
 #[test]
 fn sub_page_blocks_follow_the_same_order() {
     let a = Allocator::new(opts(false)).unwrap();
     let s = streams(&a, 2);
     host(&a).hold_stream(s[0]);
+    let keep = a.malloc_async(1000, s[0]).unwrap();
     let p = a.malloc_async(1000, s[0]).unwrap();
     a.free_async(p, s[0]).unwrap();
     let q = a.malloc_async(1000, s[1]).unwrap();
-    assert_ne!(p, q, "a pending block went to another stream");
+    assert!(q.abs_diff(keep) >= PAGE as u64, "s1 got space in the arena s0 holds");
     assert_eq!(a.malloc_async(1000, s[0]).unwrap(), p, "the freeing stream reuses its block");
     a.free_async(p, s[0]).unwrap();
+    a.free_async(keep, s[0]).unwrap();
+    assert_eq!(a.stats().allocations.current, 1);
     host(&a).release_stream(s[0]);
     a.poll();
+    // Completed: the arena, empty, goes back to the cache for any stream.
+    assert_eq!(a.stats().cached_ranges.current, 1);
     a.free(q).unwrap();
     a.check_invariants().unwrap();
     assert_eq!(a.stats().allocations.current, 0);
+}
+
+/// An arena whose blocks are all freed on a stream goes back to the heap pending for that
+/// stream, as a freed range does: another stream does not get it, the freeing stream does, at
+/// once, and once the free completes it is cached for all. The history shows the block's own
+/// events only, each free completing as it is requested (the stream may reuse it at once).
+#[test]
+fn an_arena_freed_on_a_stream_comes_back_to_it_as_a_pending_range() {
+    let a = Allocator::new(opts(false)).unwrap();
+    a.record_history(Some(100));
+    let s = streams(&a, 2);
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(1000, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    let page = a.malloc_async(PAGE, s[1]).unwrap();
+    // Blocks are cut from the end of an arena: p's arena starts a page before its end.
+    let arena = p + 1024 - PAGE as u64;
+    assert!(page + PAGE as u64 <= arena || page > p, "another stream got the arena s0 holds");
+    let maps = a.stats().driver_calls.get(CallKind::Map);
+    assert_eq!(a.malloc_async(1000, s[0]).unwrap(), p, "s0 gets its block back");
+    assert_eq!(a.stats().driver_calls.get(CallKind::Map), maps, "with no driver call");
+    a.free_async(p, s[0]).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().cached_ranges.current, 0);
+    host(&a).release_stream(s[0]);
+    a.poll();
+    assert_eq!(a.stats().cached_ranges.current, 1, "completed: cached for every stream");
+    a.check_invariants().unwrap();
+    let block: Vec<&str> =
+        a.history().iter().filter(|e| e.addr == p).map(|e| e.action.torch_name()).collect();
+    assert_eq!(
+        block,
+        ["alloc", "free_requested", "free_completed", "alloc", "free_requested", "free_completed"]
+    );
+    a.free(page).unwrap();
 }
 
 #[test]

@@ -15,7 +15,7 @@ use super::mapping::{Executed, MapPlan};
 use super::pool::{chunk_plan, ChunkId, Pool};
 use super::stats::Stats;
 use super::streams::{Pending, Streams};
-use super::subpage::{SubPage, SUBPAGE_ALIGN};
+use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, UnmapRun, VaSpace};
 use super::window::Window;
 use crate::driver::{ChunkHandle, DriverError, EventHandle};
@@ -66,6 +66,9 @@ enum Use {
     Arena,
     /// Freed on a stream whose work may still use it: only that stream may reuse it.
     Pending,
+    /// An arena with no block in use whose space one stream still holds (`Emptied::held`): as
+    /// `Pending`, but its blocks' frees are in the history already, and no allocation's is.
+    PendingArena,
     /// Free, still mapped, reusable as it is; `seq` orders the cache from least recently freed.
     Cached { seq: u64 },
 }
@@ -190,8 +193,8 @@ pub(crate) struct Heap {
     free_range_ids: Vec<RangeId>,
     /// Live, pending and cached ranges by base address.
     by_va: BTreeMap<u64, RangeId>,
-    /// Cached ranges as (pages, seq), and seq -> range in freeing order.
-    cached_by_size: BTreeSet<(u64, u64)>,
+    /// Cached ranges as (pages, address, seq), and seq -> range in freeing order.
+    cached_by_size: BTreeSet<(u64, u64, u64)>,
     cached_lru: BTreeMap<u64, RangeId>,
     cached_pages: u64,
     next_seq: u64,
@@ -358,14 +361,7 @@ impl Heap {
         self.check_size(size)?;
         if size < self.lim.page {
             let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
-            if let Some((ptr, arena, offset)) =
-                self.streams.get_mut(stream).and_then(|f| f.take_block(rounded))
-            {
-                self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
-                self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
-                return Ok(Fast::Done(ptr));
-            }
-            if let Some((arena, offset)) = self.sub.alloc(rounded) {
+            if let Some((arena, offset)) = self.sub.alloc(rounded, stream) {
                 let ptr = self.range(arena).va + offset;
                 self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
                 return Ok(Fast::Done(ptr));
@@ -382,24 +378,33 @@ impl Heap {
         })
     }
 
-    /// A range of exactly `pages` pages with no driver call: the stream's own pending frees, then
-    /// the cache, then the window.
+    /// A range of `pages` pages with no driver call: one of exactly that size from the stream's
+    /// own pending frees or the cache, the lowest address first; else the smallest cached range
+    /// up to an eighth larger (the extra pages stay with the allocation until it is freed,
+    /// counted as rounding); else the window. Lowest address first (not newest), so that the
+    /// same requests in the same order get the same ranges back whether or not their frees have
+    /// completed, as from PyTorch's allocator.
     fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
-        if let Some(id) = self.streams.get_mut(stream).and_then(|f| f.take_range(pages)) {
+        let exact =
+            self.cached_by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
+        let own = self.streams.get_mut(stream).and_then(|f| {
+            let (va, seq) = f.peek_range(pages)?;
+            (!exact.is_some_and(|c| c.1 < va)).then(|| f.take(seq))
+        });
+        if let Some(id) = own {
             self.streams.range_left(pages);
-            let va = self.range(id).va;
-            self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+            let r = self.range(id);
+            if r.use_ == Use::Pending {
+                self.note(HistoryAction::FreeCompleted, r.va, self.bytes(pages), stream);
+            }
             self.stats.cache_hits += 1;
             return Ok(Some(id));
         }
-        // The newest cached range of exactly this size; else the smallest up to an eighth larger
-        // (the extra pages stay with the allocation until it is freed, counted as rounding).
-        let exact = self.cached_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back();
         let near = || {
             let slack = pages / NEAR_FIT_DIVISOR;
-            self.cached_by_size.range((pages + 1, 0)..(pages + slack + 1, 0)).next()
+            self.cached_by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next()
         };
-        if let Some(&(_, seq)) = exact.or_else(near) {
+        if let Some((_, _, seq)) = exact.or_else(|| near().copied()) {
             self.stats.cache_hits += 1;
             return Ok(Some(self.uncache(seq)));
         }
@@ -437,7 +442,7 @@ impl Heap {
         self.sub.add_arena(id, self.lim.page);
         let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
         let (arena, offset) =
-            self.sub.alloc(rounded).expect("a fresh arena fits any sub-page request");
+            self.sub.alloc(rounded, stream).expect("a fresh arena fits any sub-page request");
         let ptr = self.range(arena).va + offset;
         self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
         ptr
@@ -607,14 +612,24 @@ impl Heap {
         let what = match live.backing {
             Backing::Range(id) => {
                 self.range_mut(id).use_ = Use::Pending;
-                Pending::Range { id, pages: self.range(id).pages }
+                Pending::Range { id, va: self.range(id).va, pages: self.range(id).pages }
             }
             Backing::Sub { arena, offset } => {
                 Pending::Block { ptr, arena, offset, rounded: live.rounded }
             }
         };
         if live.uses.iter().all(|&u| u == stream) {
-            let epoch = self.streams.push(stream, what);
+            let epoch = match what {
+                // Free at once, held for the stream in its arena until the epoch completes
+                // (`SubPage`): as PyTorch's allocator, the history shows the free complete now.
+                Pending::Block { ptr, arena, offset, rounded } => {
+                    let epoch = self.streams.hold(stream);
+                    self.sub.free(arena, offset, Owner::Held { stream, epoch });
+                    self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
+                    epoch
+                }
+                _ => self.streams.push(stream, what),
+            };
             if self.lim.defer_free_events {
                 // `streams_needing_events` lists the stream until a record covers `epoch`.
                 self.streams.entry(stream).leave_unrecorded(epoch);
@@ -747,14 +762,21 @@ impl Heap {
             }
             !free
         });
+        // Sub-page blocks it freed become free for every stream.
+        if let Some(upto) = f.done_epoch() {
+            for e in self.sub.settle(stream, upto) {
+                self.arena_emptied(e);
+            }
+        }
         // Then the joined frees this completion finished: their other streams were done before.
         let joined = self.streams.take_joined_done();
         for item in done.into_iter().chain(joined) {
             match item {
-                Pending::Range { id, pages } => {
+                Pending::Range { id, pages, va } => {
                     self.streams.range_left(pages);
-                    let va = self.range(id).va;
-                    self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+                    if self.range(id).use_ == Use::Pending {
+                        self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+                    }
                     self.cache_range(id);
                 }
                 Pending::Block { ptr, arena, offset, rounded } => {
@@ -786,10 +808,24 @@ impl Heap {
         match backing {
             Backing::Range(id) => self.cache_range(id),
             Backing::Sub { arena, offset } => {
-                if self.sub.free(arena, offset) {
-                    self.sub.remove_arena(arena);
-                    self.cache_range(arena);
+                if let Some(e) = self.sub.free(arena, offset, Owner::Open) {
+                    self.arena_emptied(e);
                 }
+            }
+        }
+    }
+
+    /// Takes back an arena with no block in use: cached, or pending for the stream that still
+    /// holds its space, until the epoch it holds it for (a freed range's way back to it).
+    fn arena_emptied(&mut self, e: Emptied) {
+        self.sub.remove_arena(e.arena);
+        match e.held {
+            None => self.cache_range(e.arena),
+            Some((stream, epoch)) => {
+                let r = self.range_mut(e.arena);
+                r.use_ = Use::PendingArena;
+                let what = Pending::Range { id: e.arena, va: r.va, pages: r.pages };
+                self.streams.push_held(stream, epoch, what);
             }
         }
     }
@@ -810,7 +846,7 @@ impl Heap {
                             }
                         }
                     }
-                    Use::Cached { .. } | Use::Pending => {}
+                    Use::Cached { .. } | Use::Pending | Use::PendingArena => {}
                 }
             }
         }
@@ -837,9 +873,7 @@ impl Heap {
     /// waited for came back), as arena space is found by nothing else; else out of memory.
     fn short_of(&self, requested: u64, short: u64, stream: u64) -> Step {
         let rounded = requested.next_multiple_of(SUBPAGE_ALIGN);
-        let arena_fits = requested < self.lim.page
-            && (self.sub.fits(rounded)
-                || self.streams.get(stream).is_some_and(|f| f.has_block(rounded)));
+        let arena_fits = requested < self.lim.page && self.sub.fits(rounded, stream);
         if self.has_inflight() || arena_fits {
             Step::Wait
         } else {
@@ -1204,9 +1238,9 @@ impl Heap {
     fn cache_range(&mut self, id: RangeId) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let pages = self.range(id).pages;
+        let (pages, va) = (self.range(id).pages, self.range(id).va);
         self.range_mut(id).use_ = Use::Cached { seq };
-        self.cached_by_size.insert((pages, seq));
+        self.cached_by_size.insert((pages, va, seq));
         self.cached_lru.insert(seq, id);
         self.cached_pages += pages;
         self.stats.cached_ranges.add(1);
@@ -1214,8 +1248,8 @@ impl Heap {
 
     fn uncache(&mut self, seq: u64) -> RangeId {
         let id = self.cached_lru.remove(&seq).expect("cached range missing");
-        let pages = self.range(id).pages;
-        self.cached_by_size.remove(&(pages, seq));
+        let (pages, va) = (self.range(id).pages, self.range(id).va);
+        self.cached_by_size.remove(&(pages, va, seq));
         self.cached_pages -= pages;
         self.stats.cached_ranges.sub(1);
         id
@@ -1571,7 +1605,7 @@ impl Heap {
             let kind = match r.use_ {
                 Use::Alloc => "alloc",
                 Use::Arena => "arena",
-                Use::Pending => "pending",
+                Use::Pending | Use::PendingArena => "pending",
                 Use::Cached { .. } => "cached",
             };
             out.push(SegmentInfo {
@@ -1622,7 +1656,7 @@ impl Heap {
                 cached += 1;
                 cached_pages += r.pages;
                 if self.cached_lru.get(&seq) != Some(&(id as RangeId))
-                    || !self.cached_by_size.contains(&(r.pages, seq))
+                    || !self.cached_by_size.contains(&(r.pages, r.va, seq))
                 {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
@@ -1643,10 +1677,10 @@ impl Heap {
         let mut pending_ids = BTreeSet::new();
         let items = self.streams.iter().flat_map(|(_, f)| f.items()).chain(self.streams.joined());
         for item in items {
-            if let Pending::Range { id, pages } = item {
+            if let Pending::Range { id, pages, .. } = item {
                 pending_ranges += pages;
                 match self.ranges.get(id as usize).and_then(|r| r.as_ref()) {
-                    Some(r) if r.use_ == Use::Pending => {}
+                    Some(r) if matches!(r.use_, Use::Pending | Use::PendingArena) => {}
                     _ => return Err(format!("pending range {id} is not marked pending")),
                 }
                 if !pending_ids.insert(id) {
@@ -1654,7 +1688,12 @@ impl Heap {
                 }
             }
         }
-        let marked = self.ranges.iter().flatten().filter(|r| r.use_ == Use::Pending).count();
+        let marked = self
+            .ranges
+            .iter()
+            .flatten()
+            .filter(|r| matches!(r.use_, Use::Pending | Use::PendingArena))
+            .count();
         if marked != pending_ids.len() {
             return Err(format!(
                 "{marked} ranges are marked pending, {} wait for a stream",

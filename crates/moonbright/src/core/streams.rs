@@ -1,8 +1,10 @@
 //! Stream-ordered frees: what each stream has freed but its own work may still use. Items wait
 //! here until an event recorded after their free has completed; until then only their own stream
-//! may reuse them (stream order makes that safe), by exact size. A free that other streams also
-//! used (`record_stream`) is *joined*: it waits for a mark on each of those streams and no stream
-//! may reuse it before every mark has completed. Pure bookkeeping.
+//! may reuse them (stream order makes that safe): ranges by exact size, lowest address first, as
+//! the heap's cache hands them out. Sub-page blocks wait in their arenas instead, held for their
+//! stream (`SubPage`); a stream here only notes the newest such free's epoch. A free that other
+//! streams also used (`record_stream`) is *joined*: it waits for a mark on each of those streams
+//! and no stream may reuse it before every mark has completed. Pure bookkeeping.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -20,9 +22,9 @@ use crate::driver::EventHandle;
 /// Something freed on a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Pending {
-    /// A whole range of `pages` pages (an allocation of a page or more).
-    Range { id: u32, pages: u64 },
-    /// A sub-page block, still marked used in its arena.
+    /// A whole range of `pages` pages at `va` (an allocation of a page or more).
+    Range { id: u32, va: u64, pages: u64 },
+    /// A sub-page block of a joined free, still marked used in its arena.
     Block { ptr: u64, arena: u32, offset: u64, rounded: u64 },
     /// A point in the stream's order with nothing attached: a growable allocation shrank here,
     /// and the chunks it gave back wait in the heap's quarantine for this epoch.
@@ -40,8 +42,8 @@ struct Item {
 pub(crate) struct StreamFrees {
     /// Items by a global sequence number, so the oldest come first.
     items: BTreeMap<u64, Item>,
-    ranges_by_size: BTreeSet<(u64, u64)>,
-    blocks_by_size: BTreeSet<(u64, u64)>,
+    /// Ranges as (pages, address, sequence number).
+    ranges_by_size: BTreeSet<(u64, u64, u64)>,
     /// The newest free's epoch. Epochs are the frees' global sequence numbers, so they only
     /// grow, across streams and across a stream forgotten and seen again.
     newest: Option<u64>,
@@ -57,11 +59,23 @@ pub(crate) struct StreamFrees {
     failed: Option<u64>,
     /// Pages in this stream's pending ranges.
     range_pages: u64,
+    /// The newest epoch of a sub-page free, whose block waits in its arena, held for this
+    /// stream (`SubPage`), not here.
+    held: Option<u64>,
 }
 
 impl StreamFrees {
+    /// Whether nothing freed here waits: no item, and no sub-page free held in an arena.
     pub fn is_empty(&self) -> bool {
-        self.items.is_empty()
+        self.items.is_empty() && self.held <= self.done
+    }
+
+    /// Records a sub-page free of sequence number `seq`, whose block waits in its arena held for
+    /// this stream; returns its epoch.
+    pub fn hold(&mut self, seq: u64) -> u64 {
+        self.newest = Some(seq);
+        self.held = Some(seq);
+        seq
     }
 
     #[cfg(all(test, not(loom)))]
@@ -82,36 +96,61 @@ impl StreamFrees {
         self.newest = Some(epoch);
         self.items.insert(seq, Item { epoch, what });
         match what {
-            Pending::Range { pages, .. } => {
+            Pending::Range { pages, va, .. } => {
                 self.range_pages += pages;
-                self.ranges_by_size.insert((pages, seq))
+                self.ranges_by_size.insert((pages, va, seq));
             }
-            Pending::Block { rounded, .. } => self.blocks_by_size.insert((rounded, seq)),
-            Pending::Mark => true,
-        };
+            Pending::Block { .. } => debug_assert!(false, "blocks wait in their arenas"),
+            Pending::Mark => {}
+        }
         epoch
+    }
+
+    /// Records, under sequence number `seq`, something that waits for an earlier free of this
+    /// stream, of `epoch`: it completes once that epoch has, and every item recorded before it
+    /// (completions are taken in order).
+    pub fn push_at(&mut self, seq: u64, epoch: u64, what: Pending) {
+        debug_assert!(self.newest.is_some_and(|n| n >= epoch), "an epoch never handed out");
+        self.items.insert(seq, Item { epoch, what });
+        if let Pending::Range { pages, va, .. } = what {
+            self.range_pages += pages;
+            self.ranges_by_size.insert((pages, va, seq));
+        }
     }
 
     fn remove(&mut self, seq: u64) -> Pending {
         let item = self.items.remove(&seq).expect("pending item missing");
         match item.what {
-            Pending::Range { pages, .. } => {
+            Pending::Range { pages, va, .. } => {
                 self.range_pages -= pages;
-                self.ranges_by_size.remove(&(pages, seq))
+                self.ranges_by_size.remove(&(pages, va, seq));
             }
-            Pending::Block { rounded, .. } => self.blocks_by_size.remove(&(rounded, seq)),
-            Pending::Mark => true,
-        };
+            Pending::Block { .. } | Pending::Mark => {}
+        }
         item.what
     }
 
-    /// The newest range of exactly `pages` pages, for reuse by this stream.
-    pub fn take_range(&mut self, pages: u64) -> Option<u32> {
-        let &(_, seq) = self.ranges_by_size.range((pages, 0)..=(pages, u64::MAX)).next_back()?;
+    /// The lowest-addressed range of exactly `pages` pages, for reuse by this stream, as
+    /// (address, sequence number for `take`).
+    pub fn peek_range(&self, pages: u64) -> Option<(u64, u64)> {
+        let all = (pages, 0, 0)..=(pages, u64::MAX, u64::MAX);
+        self.ranges_by_size.range(all).next().map(|r| (r.1, r.2))
+    }
+
+    /// Takes the pending range that `peek_range` gave `seq` for.
+    pub fn take(&mut self, seq: u64) -> u32 {
         match self.remove(seq) {
-            Pending::Range { id, .. } => Some(id),
-            Pending::Block { .. } | Pending::Mark => unreachable!("size index points at a block"),
+            Pending::Range { id, .. } => id,
+            Pending::Block { .. } | Pending::Mark => unreachable!("peeked a range"),
         }
+    }
+
+    /// The lowest-addressed range of exactly `pages` pages (the heap peeks first, to compare
+    /// it with the cache's).
+    #[cfg(all(test, not(loom)))]
+    pub fn take_range(&mut self, pages: u64) -> Option<u32> {
+        let (_, seq) = self.peek_range(pages)?;
+        Some(self.take(seq))
     }
 
     /// The oldest range of at most `pages` pages whose free an event already covers, for this
@@ -123,7 +162,7 @@ impl StreamFrees {
         })?;
         let epoch = item.epoch;
         match self.remove(seq) {
-            Pending::Range { id, pages } => Some((id, pages, epoch)),
+            Pending::Range { id, pages, .. } => Some((id, pages, epoch)),
             Pending::Block { .. } | Pending::Mark => unreachable!("matched a range above"),
         }
     }
@@ -140,7 +179,7 @@ impl StreamFrees {
         })?;
         let epoch = item.epoch;
         match self.remove(seq) {
-            Pending::Range { id, pages } => Some((id, pages, epoch)),
+            Pending::Range { id, pages, .. } => Some((id, pages, epoch)),
             Pending::Block { .. } | Pending::Mark => unreachable!("matched a range above"),
         }
     }
@@ -155,19 +194,9 @@ impl StreamFrees {
         self.done.is_some_and(|d| d >= epoch)
     }
 
-    /// Whether a block of exactly `rounded` bytes waits here (what `take_block` would take).
-    pub fn has_block(&self, rounded: u64) -> bool {
-        self.blocks_by_size.range((rounded, 0)..=(rounded, u64::MAX)).next().is_some()
-    }
-
-    /// The newest block of exactly `rounded` bytes, for reuse by this stream: (ptr, arena, offset).
-    pub fn take_block(&mut self, rounded: u64) -> Option<(u64, u32, u64)> {
-        let &(_, seq) =
-            self.blocks_by_size.range((rounded, 0)..=(rounded, u64::MAX)).next_back()?;
-        match self.remove(seq) {
-            Pending::Block { ptr, arena, offset, .. } => Some((ptr, arena, offset)),
-            Pending::Range { .. } | Pending::Mark => unreachable!("size index points at a range"),
-        }
+    /// The highest epoch known to have completed.
+    pub fn done_epoch(&self) -> Option<u64> {
+        self.done
     }
 
     /// The newest epoch handed out, if any free happened: an event recorded now covers it.
@@ -192,7 +221,7 @@ impl StreamFrees {
     /// records it, and once that free returns the user may destroy the stream, after which no
     /// one may record on it.
     pub fn needs_event(&self) -> bool {
-        !self.items.is_empty() && self.failed > self.covered
+        !self.is_empty() && self.failed > self.covered
     }
 
     /// Notes that the record of an event for the free of `epoch` failed.
@@ -327,6 +356,26 @@ impl Streams {
         epoch
     }
 
+    /// Records a sub-page free on `stream`, whose block waits held in its arena; returns its
+    /// epoch.
+    pub fn hold(&mut self, stream: u64) -> u64 {
+        let seq = self.next_seq;
+        let epoch = self.entry(stream).hold(seq);
+        self.next_seq += 1;
+        epoch
+    }
+
+    /// Records `what` (a range) as pending on `stream` until its earlier free of `epoch` has
+    /// completed.
+    pub fn push_held(&mut self, stream: u64, epoch: u64, what: Pending) {
+        let seq = self.next_seq;
+        if let Pending::Range { pages, .. } = what {
+            self.pending_pages += pages;
+        }
+        self.entry(stream).push_at(seq, epoch, what);
+        self.next_seq += 1;
+    }
+
     /// Records a free of `what` (a range or a block) that the work of every stream in `streams`
     /// (at least two, no repeats) may still use: each gets a mark, and no stream reuses `what`
     /// until all the marks have completed. Returns (stream, epoch of its mark), in `streams`'
@@ -407,28 +456,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn same_stream_reuse_by_exact_size_newest_first() {
+    fn same_stream_reuse_by_exact_size_lowest_address_first() {
         let mut s = StreamFrees::default();
-        s.push(1, Pending::Range { id: 10, pages: 4 });
-        s.push(2, Pending::Range { id: 11, pages: 4 });
-        s.push(3, Pending::Block { ptr: 0x100, arena: 5, offset: 0, rounded: 512 });
+        s.push(1, Pending::Range { id: 10, va: 0x9000, pages: 4 });
+        s.push(2, Pending::Range { id: 11, va: 0x5000, pages: 4 });
+        s.push(3, Pending::Range { id: 12, va: 0x7000, pages: 4 });
+        s.push(4, Pending::Mark);
         assert_eq!(s.take_range(3), None);
+        assert_eq!(s.peek_range(4), Some((0x5000, 2)));
         assert_eq!(s.take_range(4), Some(11));
-        assert_eq!(s.take_block(512), Some((0x100, 5, 0)));
-        assert_eq!(s.len(), 1);
+        assert_eq!(s.take_range(4), Some(12));
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn a_held_sub_page_free_keeps_the_stream_waiting_and_an_arena_after_it_completes_in_order() {
+        let mut s = StreamFrees::new(0);
+        let e0 = s.hold(0);
+        assert!(!s.is_empty() && !s.is_idle(), "a held block waits for its epoch");
+        s.record_failed(e0);
+        assert!(s.needs_event(), "held space needs an event to go back to other streams");
+        let e1 = s.push(1, Pending::Range { id: 3, va: 0x4000, pages: 1 });
+        // An arena emptied later, held until e0: it completes after e1's range, in order.
+        s.push_at(2, e0, Pending::Range { id: 4, va: 0x1000, pages: 1 });
+        assert_eq!(s.peek_range(1), Some((0x1000, 2)), "lowest address first");
+        s.recorded(e0, EventHandle(1));
+        assert!(s.completed(e0, EventHandle(1)).is_empty(), "behind e1's range");
+        s.recorded(e1, EventHandle(2));
+        let done = s.completed(e1, EventHandle(2));
+        assert_eq!(done.len(), 2);
+        assert!(s.is_empty() && s.is_idle());
     }
 
     #[test]
     fn only_a_free_whose_own_record_failed_needs_the_workers_event() {
         let mut s = StreamFrees::default();
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
         assert!(!s.needs_event(), "the free's own record is still to come");
         s.record_failed(e0);
         assert!(s.needs_event(), "its own record failed");
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         s.recorded(e1, EventHandle(100));
         assert!(!s.needs_event(), "the later free's event covers the failed one");
-        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        let e2 = s.push(3, Pending::Range { id: 3, va: 0, pages: 1 });
         s.record_failed(e2);
         assert!(s.needs_event());
         assert_eq!(s.completed(e1, EventHandle(100)).len(), 2);
@@ -440,14 +510,14 @@ mod tests {
     #[test]
     fn an_idle_stream_is_forgotten_and_seen_again_with_its_past_done() {
         let mut all = Streams::default();
-        let e0 = all.push(7, Pending::Range { id: 1, pages: 1 });
+        let e0 = all.push(7, Pending::Range { id: 1, va: 0, pages: 1 });
         assert!(all.forget_if_idle(7).is_none(), "a free is pending");
         all.entry(7).recorded(e0, EventHandle(1));
         assert_eq!(all.entry(7).completed(e0, EventHandle(1)).len(), 1);
         assert_eq!(all.forget_if_idle(7), Some(vec![EventHandle(1)]), "its event goes back");
         assert!(all.get(7).is_none());
 
-        let e1 = all.push(7, Pending::Range { id: 2, pages: 1 });
+        let e1 = all.push(7, Pending::Range { id: 2, va: 0, pages: 1 });
         assert!(e1 > e0, "epochs keep growing across a forgotten stream");
         assert!(all.get(7).unwrap().is_done(e0), "the stream's past counts as done");
         assert!(!all.get(7).unwrap().is_done(e1), "its new free does not");
@@ -456,7 +526,7 @@ mod tests {
         all.entry(7).record_failed(e1);
         all.get_mut(7).unwrap().take_range(1).unwrap();
         assert!(all.forget_if_idle(7).is_none(), "an epoch not known done");
-        let e2 = all.push(7, Pending::Range { id: 3, pages: 1 });
+        let e2 = all.push(7, Pending::Range { id: 3, va: 0, pages: 1 });
         all.entry(7).recorded(e2, EventHandle(2));
         assert_eq!(all.entry(7).completed(e2, EventHandle(2)).len(), 1);
         assert!(all.get(7).unwrap().is_done(e1));
@@ -466,7 +536,7 @@ mod tests {
     #[test]
     fn a_joined_free_completes_with_its_last_mark_and_no_stream_reuses_it_before() {
         let mut all = Streams::default();
-        let what = Pending::Range { id: 4, pages: 3 };
+        let what = Pending::Range { id: 4, va: 0, pages: 3 };
         let waits = all.push_joined(&[1, 2], what);
         assert_eq!(waits.iter().map(|w| w.0).collect::<Vec<_>>(), vec![1, 2]);
         assert_eq!(all.pending_pages(), 3);
@@ -490,13 +560,19 @@ mod tests {
     #[test]
     fn an_event_completes_exactly_the_frees_before_it() {
         let mut s = StreamFrees::default();
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
         s.recorded(e0, EventHandle(100));
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         s.recorded(e1, EventHandle(101));
-        s.push(3, Pending::Range { id: 3, pages: 1 });
-        assert_eq!(s.completed(e0, EventHandle(100)), vec![Pending::Range { id: 1, pages: 1 }]);
-        assert_eq!(s.completed(e1, EventHandle(101)), vec![Pending::Range { id: 2, pages: 1 }]);
+        s.push(3, Pending::Range { id: 3, va: 0, pages: 1 });
+        assert_eq!(
+            s.completed(e0, EventHandle(100)),
+            vec![Pending::Range { id: 1, va: 0, pages: 1 }]
+        );
+        assert_eq!(
+            s.completed(e1, EventHandle(101)),
+            vec![Pending::Range { id: 2, va: 0, pages: 1 }]
+        );
         assert_eq!(s.len(), 1);
         assert_eq!(s.spare_event(), Some(EventHandle(101)));
     }
@@ -504,8 +580,8 @@ mod tests {
     #[test]
     fn a_later_event_covers_earlier_frees_that_had_none() {
         let mut s = StreamFrees::default();
-        s.push(1, Pending::Range { id: 1, pages: 1 });
-        let e = s.push(2, Pending::Range { id: 2, pages: 1 });
+        s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
+        let e = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         s.recorded(e, EventHandle(7));
         assert_eq!(s.completed(e, EventHandle(7)).len(), 2);
         assert!(s.is_empty());
@@ -514,7 +590,7 @@ mod tests {
     #[test]
     fn reused_items_do_not_complete_twice() {
         let mut s = StreamFrees::default();
-        let e = s.push(1, Pending::Range { id: 1, pages: 2 });
+        let e = s.push(1, Pending::Range { id: 1, va: 0, pages: 2 });
         s.recorded(e, EventHandle(7));
         assert_eq!(s.take_range(2), Some(1));
         assert!(s.completed(e, EventHandle(7)).is_empty());
@@ -523,11 +599,11 @@ mod tests {
     #[test]
     fn a_stale_completion_changes_nothing() {
         let mut s = StreamFrees::default();
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
         s.recorded(e0, EventHandle(7));
         assert_eq!(s.completed(e0, EventHandle(7)).len(), 1);
         // Event 7 is spare, then recorded again for a later free that has not completed.
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         let ev = s.spare_event().unwrap();
         s.recorded(e1, ev);
         // A second poller that saw event 7 done for epoch e0 must not complete epoch e1.
@@ -538,13 +614,16 @@ mod tests {
     #[test]
     fn events_recorded_out_of_epoch_order_complete_only_what_they_cover() {
         let mut s = StreamFrees::default();
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         // Two threads: the later epoch's event lands in the list first.
         s.recorded(e1, EventHandle(11));
         s.recorded(e0, EventHandle(10));
         // Event 10 (epoch e0) done: only the first free, even though event 11 is ahead of it.
-        assert_eq!(s.completed(e0, EventHandle(10)), vec![Pending::Range { id: 1, pages: 1 }]);
+        assert_eq!(
+            s.completed(e0, EventHandle(10)),
+            vec![Pending::Range { id: 1, va: 0, pages: 1 }]
+        );
         assert_eq!(s.len(), 1);
         assert_eq!(s.completed(e1, EventHandle(11)).len(), 1);
     }
@@ -553,14 +632,14 @@ mod tests {
     fn at_the_cap_the_newest_event_is_recorded_again() {
         let mut s = StreamFrees::default();
         s.return_event(EventHandle(50));
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
         let ev = s.event_to_record(2).unwrap();
         s.recorded(e0, ev);
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         assert_eq!(s.event_to_record(2), None, "below the cap: no spare, the caller makes one");
         s.recorded(e1, EventHandle(51));
         // At the cap: the newest (51) comes off the list, to be recorded again for epoch e2.
-        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        let e2 = s.push(3, Pending::Range { id: 3, va: 0, pages: 1 });
         assert_eq!(s.event_to_record(2), Some(EventHandle(51)));
         assert_eq!(s.events().count(), 1);
         // A poller that saw 51 done for e1 changes nothing: e1 waits for the new record.
@@ -574,7 +653,7 @@ mod tests {
     fn a_completion_gives_back_the_events_of_earlier_epochs() {
         let mut s = StreamFrees::default();
         let epochs: Vec<u64> =
-            (0..4).map(|i| s.push(i, Pending::Range { id: i as u32, pages: 1 })).collect();
+            (0..4).map(|i| s.push(i, Pending::Range { id: i as u32, va: 0, pages: 1 })).collect();
         for (i, &e) in epochs.iter().enumerate() {
             s.recorded(e, EventHandle(20 + i as u64));
         }
@@ -593,18 +672,21 @@ mod tests {
     #[test]
     fn a_redundant_event_recorded_again_covers_only_its_new_free() {
         let mut s = StreamFrees::default();
-        let e0 = s.push(1, Pending::Range { id: 1, pages: 1 });
+        let e0 = s.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
         s.recorded(e0, EventHandle(30));
-        let e1 = s.push(2, Pending::Range { id: 2, pages: 1 });
+        let e1 = s.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
         s.recorded(e1, EventHandle(31));
         assert_eq!(s.completed(e1, EventHandle(31)).len(), 2);
         // Event 30 may still be pending on the device; it is spare, and a new free records it.
-        let e2 = s.push(3, Pending::Range { id: 3, pages: 1 });
+        let e2 = s.push(3, Pending::Range { id: 3, va: 0, pages: 1 });
         let ev = std::iter::from_fn(|| s.spare_event()).find(|e| e.0 == 30).unwrap();
         s.recorded(e2, ev);
         assert!(s.completed(e0, EventHandle(30)).is_empty(), "the old pair is gone");
         assert_eq!(s.len(), 1);
-        assert_eq!(s.completed(e2, EventHandle(30)), vec![Pending::Range { id: 3, pages: 1 }]);
+        assert_eq!(
+            s.completed(e2, EventHandle(30)),
+            vec![Pending::Range { id: 3, va: 0, pages: 1 }]
+        );
     }
 }
 
@@ -688,7 +770,7 @@ mod loom_model {
                 .collect();
             let (epoch, event) = {
                 let mut f = frees.lock().unwrap();
-                let epoch = f.push(u64::from(late), Pending::Range { id: late, pages: 1 });
+                let epoch = f.push(u64::from(late), Pending::Range { id: late, va: 0, pages: 1 });
                 (epoch, f.event_to_record(cap))
             };
             if let Some(ev) = event {
@@ -701,7 +783,7 @@ mod loom_model {
             }
             let done = completed_items.lock().unwrap();
             assert!(
-                !done.contains(&Pending::Range { id: late, pages: 1 }),
+                !done.contains(&Pending::Range { id: late, va: 0, pages: 1 }),
                 "the late free completed though no record after it did"
             );
         });
@@ -712,7 +794,7 @@ mod loom_model {
     #[test]
     fn pollers_never_complete_a_free_early() {
         check_late_free([1, 0], 0, 1, 2, |f| {
-            let e = f.push(1, Pending::Range { id: 1, pages: 1 });
+            let e = f.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
             f.recorded(e, EventHandle(0));
             f.return_event(EventHandle(1));
         });
@@ -724,8 +806,8 @@ mod loom_model {
     #[test]
     fn a_redundant_event_reused_while_pending_completes_nothing_early() {
         check_late_free([1, 1], 1, 2, 3, |f| {
-            let e1 = f.push(1, Pending::Range { id: 1, pages: 1 });
-            let e2 = f.push(2, Pending::Range { id: 2, pages: 1 });
+            let e1 = f.push(1, Pending::Range { id: 1, va: 0, pages: 1 });
+            let e2 = f.push(2, Pending::Range { id: 2, va: 0, pages: 1 });
             f.recorded(e1, EventHandle(0));
             f.recorded(e2, EventHandle(1));
         });

@@ -1,8 +1,28 @@
 //! The sub-page allocator: requests smaller than a page are carved out of *arenas* (one-page
 //! ranges) by best fit over free extents across all arenas, in units of 256 bytes (cudaMalloc's
 //! alignment). An arena that empties is handed back to the heap whole. Pure bookkeeping.
+//!
+//! Blocks are cut from the end of the extent best fit picks, so that the common pair (a block
+//! freed and the same size asked for again) changes one extent's length in place.
+//!
+//! A block freed on a stream whose work may still use it becomes free at once, but *held* for
+//! that stream until its free's epoch has completed (`settle`): the stream may take it (stream
+//! order makes that safe), no other stream may. Held and open extents coalesce with each other
+//! (the result is held, until the later epoch), so on one stream the extents, and therefore what
+//! best fit picks, do not depend on when the frees' events complete: the same requests in the
+//! same order get the same blocks back, as they do from PyTorch's allocator (whose CUDA-graph
+//! trees re-record a graph when a static input moves). Extents held for different streams stay
+//! apart. An arena with no block in use goes back to the heap even when one stream still holds
+//! it (`Emptied::held`): the heap keeps it pending for that stream, as a freed range, so that it
+//! comes back to the stream the same way whenever the free completes.
 
 use std::collections::{BTreeMap, BTreeSet};
+
+// Keys are arena ids and stream handles: a fast hash, not a DoS-resistant one.
+#[cfg(not(loom))]
+use foldhash::HashMap;
+#[cfg(loom)]
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
 /// Alignment and rounding unit of sub-page allocations, as cudaMalloc guarantees.
 pub const SUBPAGE_ALIGN: u64 = 256;
@@ -10,86 +30,280 @@ pub const SUBPAGE_ALIGN: u64 = 256;
 /// Arenas are identified by the heap's range id.
 pub(crate) type ArenaId = u32;
 
+/// Who may take a free extent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Any stream.
+    Open,
+    /// Only `stream`, until its free of `epoch` has completed.
+    Held { stream: u64, epoch: u64 },
+}
+
+impl Owner {
+    /// The owner of two adjacent extents merged into one, if they may merge: open space next to
+    /// a held extent joins it; two held for one stream stay held until the later epoch.
+    fn merged(self, other: Owner) -> Option<Owner> {
+        match (self, other) {
+            (Owner::Open, o) | (o, Owner::Open) => Some(o),
+            (Owner::Held { stream: a, epoch: x }, Owner::Held { stream: b, epoch: y }) => {
+                (a == b).then_some(Owner::Held { stream: a, epoch: x.max(y) })
+            }
+        }
+    }
+}
+
+/// A free extent: `len` bytes, and who may take them.
+#[derive(Clone, Copy, Debug)]
+struct Extent {
+    len: u64,
+    owner: Owner,
+}
+
 #[derive(Debug)]
 struct Arena {
     len: u64,
-    /// Free extents, offset -> len, coalesced.
-    free: BTreeMap<u64, u64>,
+    /// Free extents by offset, coalesced where their owners allow.
+    free: BTreeMap<u64, Extent>,
     /// Used blocks, offset -> len (for interior-pointer errors and checks).
     used: BTreeMap<u64, u64>,
     used_bytes: u64,
+    /// Free extents held for a stream: the arena goes back held while any is.
+    held: usize,
+}
+
+impl Arena {
+    /// An arena with no block in use, all of it one free extent, open or held for one stream.
+    fn emptied(&self, id: ArenaId) -> Option<Emptied> {
+        if self.used_bytes != 0 || self.free.len() != 1 {
+            return None;
+        }
+        let held = match self.free.values().next() {
+            Some(&Extent { owner: Owner::Held { stream, epoch }, .. }) => Some((stream, epoch)),
+            _ => None,
+        };
+        Some(Emptied { arena: id, held })
+    }
+
+    /// The free extent that ends at `off`, if its owner may merge with `owner`.
+    fn before(&self, off: u64, owner: Owner) -> Option<(u64, Extent, Owner)> {
+        let (&p, &e) = self.free.range(..off).next_back()?;
+        let merged = e.owner.merged(owner)?;
+        (p + e.len == off).then_some((p, e, merged))
+    }
+
+    /// The free extent that starts at `off`, if its owner may merge with `owner`.
+    fn after(&self, off: u64, owner: Owner) -> Option<(Extent, Owner)> {
+        let e = *self.free.get(&off)?;
+        Some((e, e.owner.merged(owner)?))
+    }
+}
+
+/// An arena with no block in use, for the heap to take back: `held` = (stream, epoch) when the
+/// space is still held for that stream until that epoch has completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Emptied {
+    pub arena: ArenaId,
+    pub held: Option<(u64, u64)>,
+}
+
+/// An extent's place in a size index: (len, arena, offset) in one ordered integer, so that best
+/// fit is the first key at or above `key(size, 0, 0)`. Arenas are at most 4 GiB.
+fn key(len: u64, id: ArenaId, off: u64) -> u128 {
+    (u128::from(len) << 96) | (u128::from(id) << 64) | u128::from(off)
+}
+
+fn unkey(k: u128) -> (u64, ArenaId, u64) {
+    ((k >> 96) as u64, (k >> 64) as u32, k as u64)
+}
+
+fn is_held(o: Owner) -> usize {
+    usize::from(matches!(o, Owner::Held { .. }))
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct SubPage {
-    arenas: BTreeMap<ArenaId, Arena>,
-    /// Every free extent as (len, arena, offset): best fit is one range query; ties go to the
-    /// oldest arena and lowest offset, which packs blocks and lets younger arenas empty.
-    by_size: BTreeSet<(u64, ArenaId, u64)>,
+    arenas: HashMap<ArenaId, Arena>,
+    /// Every open extent: best fit is one range query; ties go to the oldest arena and lowest
+    /// offset, which packs blocks and lets younger arenas empty.
+    open: BTreeSet<u128>,
+    /// Each stream's held extents, the same way. A stream's set stays while it empties and
+    /// fills again on the hot path; `settle` drops it once empty.
+    held: HashMap<u64, BTreeSet<u128>>,
 }
 
 impl SubPage {
     pub fn add_arena(&mut self, id: ArenaId, len: u64) {
+        assert!(len < 1 << 32, "arenas are at most 4 GiB");
         let mut free = BTreeMap::new();
-        free.insert(0, len);
-        self.by_size.insert((len, id, 0));
-        let prev =
-            self.arenas.insert(id, Arena { len, free, used: BTreeMap::new(), used_bytes: 0 });
+        free.insert(0, Extent { len, owner: Owner::Open });
+        self.open.insert(key(len, id, 0));
+        let arena = Arena { len, free, used: BTreeMap::new(), used_bytes: 0, held: 0 };
+        let prev = self.arenas.insert(id, arena);
         debug_assert!(prev.is_none());
     }
 
-    /// Forgets an empty arena.
+    /// Forgets an arena with no block in use.
     pub fn remove_arena(&mut self, id: ArenaId) {
         let a = self.arenas.remove(&id).expect("remove_arena: no such arena");
-        debug_assert_eq!(a.used_bytes, 0);
-        for (off, len) in a.free {
-            self.by_size.remove(&(len, id, off));
+        debug_assert!(a.emptied(id).is_some());
+        for (off, e) in a.free {
+            self.unindex(key(e.len, id, off), e.owner);
         }
     }
 
-    /// Whether some free extent holds `size` bytes (what `alloc` would find).
-    pub fn fits(&self, size: u64) -> bool {
-        self.by_size.range((size, 0, 0)..).next().is_some()
+    fn index(&mut self, k: u128, owner: Owner) {
+        match owner {
+            Owner::Open => self.open.insert(k),
+            Owner::Held { stream, .. } => self.held.entry(stream).or_default().insert(k),
+        };
     }
 
-    /// Best fit for `size` bytes (a multiple of `SUBPAGE_ALIGN`): (arena, offset).
-    pub fn alloc(&mut self, size: u64) -> Option<(ArenaId, u64)> {
+    fn unindex(&mut self, k: u128, owner: Owner) {
+        match owner {
+            Owner::Open => self.open.remove(&k),
+            Owner::Held { stream, .. } => self.held.get_mut(&stream).is_some_and(|s| s.remove(&k)),
+        };
+    }
+
+    /// The best fit for `size` bytes on `stream`: the smallest extent it may take, open or
+    /// held for it, ties to the oldest arena and lowest offset.
+    fn best_fit(&self, size: u64, stream: u64) -> Option<u128> {
+        let from = key(size, 0, 0);
+        let open = self.open.range(from..).next();
+        let held = self.held.get(&stream).and_then(|s| s.range(from..).next());
+        match (open, held) {
+            (Some(a), Some(b)) => Some(*a.min(b)),
+            (a, b) => a.or(b).copied(),
+        }
+    }
+
+    /// Whether `stream` would find an extent of `size` bytes (what `alloc` would find).
+    pub fn fits(&self, size: u64, stream: u64) -> bool {
+        self.best_fit(size, stream).is_some()
+    }
+
+    /// Best fit for `size` bytes (a multiple of `SUBPAGE_ALIGN`) on `stream`, cut from the end
+    /// of the extent: (arena, offset). What is left of a held extent stays held.
+    pub fn alloc(&mut self, size: u64, stream: u64) -> Option<(ArenaId, u64)> {
         debug_assert!(size > 0 && size % SUBPAGE_ALIGN == 0);
-        let &(len, id, off) = self.by_size.range((size, 0, 0)..).next()?;
-        self.by_size.remove(&(len, id, off));
+        let k = self.best_fit(size, stream)?;
+        let (len, id, off) = unkey(k);
         let a = self.arenas.get_mut(&id).expect("free extent of a missing arena");
-        a.free.remove(&off);
-        if len > size {
-            a.free.insert(off + size, len - size);
-            self.by_size.insert((len - size, id, off + size));
+        let e = a.free.get_mut(&off).expect("indexed extent missing");
+        let owner = e.owner;
+        if len == size {
+            a.free.remove(&off);
+            a.held -= is_held(owner);
+        } else {
+            e.len -= size;
         }
-        a.used.insert(off, size);
+        a.used.insert(off + len - size, size);
         a.used_bytes += size;
-        Some((id, off))
+        self.unindex(k, owner);
+        if len > size {
+            self.index(key(len - size, id, off), owner);
+        }
+        Some((id, off + len - size))
     }
 
-    /// Frees the block at `off` in arena `id`; returns whether the arena is now empty.
-    pub fn free(&mut self, id: ArenaId, off: u64) -> bool {
+    /// Frees the block at `off` in arena `id`, for `owner` to take, merging it with the free
+    /// extents beside it where their owners allow; returns the arena if no block in it is in
+    /// use any more.
+    pub fn free(&mut self, id: ArenaId, off: u64, owner: Owner) -> Option<Emptied> {
         let a = self.arenas.get_mut(&id).expect("free in a missing arena");
         let size = a.used.remove(&off).expect("free of a block that is not used");
         a.used_bytes -= size;
-        let (mut start, mut len) = (off, size);
-        if let Some((&p, &pl)) = a.free.range(..off).next_back() {
-            if p + pl == off {
-                a.free.remove(&p);
-                self.by_size.remove(&(pl, id, p));
-                start = p;
-                len += pl;
+        self.place(id, off, size, owner)
+    }
+
+    /// Makes [off, off + len) of arena `id` a free extent of `owner` (nothing there is indexed),
+    /// merged with its neighbours where their owners allow.
+    fn place(&mut self, id: ArenaId, off: u64, len: u64, owner: Owner) -> Option<Emptied> {
+        let a = self.arenas.get_mut(&id).expect("arena missing");
+        let before = a.before(off, owner);
+        let owner = before.map_or(owner, |b| b.2);
+        let after = a.after(off + len, owner);
+        let owner = after.map_or(owner, |x| x.1);
+        let mut held_change = is_held(owner) as isize;
+        let mut total = len;
+        let mut stale: [Option<(u128, Owner)>; 2] = [None, None];
+        if let Some((e, _)) = after {
+            a.free.remove(&(off + len));
+            total += e.len;
+            held_change -= is_held(e.owner) as isize;
+            stale[1] = Some((key(e.len, id, off + len), e.owner));
+        }
+        let start = match before {
+            Some((p, e, _)) => {
+                let ext = a.free.get_mut(&p).expect("neighbour missing");
+                ext.len += total;
+                ext.owner = owner;
+                total += e.len;
+                held_change -= is_held(e.owner) as isize;
+                stale[0] = Some((key(e.len, id, p), e.owner));
+                p
+            }
+            None => {
+                a.free.insert(off, Extent { len: total, owner });
+                off
+            }
+        };
+        a.held = a.held.checked_add_signed(held_change).expect("held count below zero");
+        for (k, o) in stale.into_iter().flatten() {
+            self.unindex(k, o);
+        }
+        self.index(key(total, id, start), owner);
+        self.arenas[&id].emptied(id)
+    }
+
+    /// Opens every extent held for `stream` whose epoch is at most `done`, merging it with its
+    /// neighbours; returns the arenas with no block in use. Linear in the stream's held extents
+    /// (few: they merge), once per completion, not per request.
+    pub fn settle(&mut self, stream: u64, done: u64) -> Vec<Emptied> {
+        let mut touched = Vec::new();
+        let due = |this: &Self| -> Vec<(ArenaId, u64)> {
+            let Some(set) = this.held.get(&stream) else { return Vec::new() };
+            set.iter()
+                .map(|&k| unkey(k))
+                .filter(|&(_, id, off)| {
+                    matches!(this.arenas[&id].free[&off].owner,
+                        Owner::Held { epoch, .. } if epoch <= done)
+                })
+                .map(|(_, id, off)| (id, off))
+                .collect()
+        };
+        // Opening one may fold another due one into a held neighbour with a later epoch, or a
+        // due one into this: a second pass opens what is left.
+        loop {
+            let list = due(self);
+            if list.is_empty() {
+                break;
+            }
+            for (id, off) in list {
+                let Some(a) = self.arenas.get_mut(&id) else { continue };
+                let Some(&e) = a.free.get(&off) else { continue };
+                if !matches!(e.owner, Owner::Held { epoch, .. } if epoch <= done) {
+                    continue;
+                }
+                a.free.remove(&off);
+                a.held -= 1;
+                self.unindex(key(e.len, id, off), e.owner);
+                self.place(id, off, e.len, Owner::Open);
+                touched.push(id);
             }
         }
-        if let Some(&nl) = a.free.get(&(off + size)) {
-            a.free.remove(&(off + size));
-            self.by_size.remove(&(nl, id, off + size));
-            len += nl;
+        if self.held.get(&stream).is_some_and(|s| s.is_empty()) {
+            self.held.remove(&stream);
         }
-        a.free.insert(start, len);
-        self.by_size.insert((len, id, start));
-        a.used_bytes == 0
+        touched.sort_unstable();
+        touched.dedup();
+        touched.into_iter().filter_map(|id| self.arenas[&id].emptied(id)).collect()
+    }
+
+    /// Whether some extent is held for `stream`.
+    #[cfg(all(test, not(loom)))]
+    pub fn holds_for(&self, stream: u64) -> bool {
+        self.held.get(&stream).is_some_and(|s| !s.is_empty())
     }
 
     /// The used block of arena `id` containing `off`, as (block offset, len).
@@ -108,30 +322,35 @@ impl SubPage {
         self.arenas.keys().copied()
     }
 
-    /// Checks that every arena is tiled exactly by its used and free extents, and that the size
-    /// index matches the free extents.
+    /// Checks that every arena is tiled exactly by its used and free extents, that no two
+    /// adjacent free extents could merge, and that the indexes match the free extents.
     pub fn check(&self) -> Result<(), String> {
-        let mut extents = 0;
+        let mut open = 0;
+        let mut held = 0;
         for (&id, a) in &self.arenas {
-            let mut all: Vec<(u64, u64, bool)> =
-                a.free.iter().map(|(&o, &l)| (o, l, false)).collect();
-            all.extend(a.used.iter().map(|(&o, &l)| (o, l, true)));
-            all.sort();
+            let mut all: Vec<(u64, u64, Option<Owner>)> =
+                a.free.iter().map(|(&o, e)| (o, e.len, Some(e.owner))).collect();
+            all.extend(a.used.iter().map(|(&o, &l)| (o, l, None)));
+            all.sort_by_key(|e| e.0);
             let mut at = 0;
-            let mut prev_free = false;
-            for (o, l, used) in all {
+            let mut prev: Option<Owner> = None;
+            for (o, l, owner) in all {
                 if o != at {
                     return Err(format!(
                         "arena {id}: gap or overlap at offset {at} (next extent at {o})"
                     ));
                 }
-                if !used && prev_free {
-                    return Err(format!("arena {id}: adjacent free extents at {o} not coalesced"));
+                if let (Some(p), Some(w)) = (prev, owner) {
+                    if p.merged(w).is_some() {
+                        return Err(format!(
+                            "arena {id}: adjacent free extents at {o} not coalesced"
+                        ));
+                    }
                 }
                 if o % SUBPAGE_ALIGN != 0 || l == 0 {
                     return Err(format!("arena {id}: bad extent ({o}, {l})"));
                 }
-                prev_free = !used;
+                prev = owner;
                 at = o + l;
             }
             if at != a.len {
@@ -140,19 +359,37 @@ impl SubPage {
             if a.used.values().sum::<u64>() != a.used_bytes {
                 return Err(format!("arena {id}: used byte count drifted"));
             }
-            for (&o, &l) in &a.free {
-                if !self.by_size.contains(&(l, id, o)) {
+            let mut held_here = 0;
+            for (&o, e) in &a.free {
+                let k = key(e.len, id, o);
+                let indexed = match e.owner {
+                    Owner::Open => {
+                        open += 1;
+                        self.open.contains(&k)
+                    }
+                    Owner::Held { stream, .. } => {
+                        held_here += 1;
+                        self.held.get(&stream).is_some_and(|s| s.contains(&k))
+                    }
+                };
+                if !indexed {
                     return Err(format!(
-                        "arena {id}: free extent ({o}, {l}) missing from the index"
+                        "arena {id}: free extent ({o}, {}, {:?}) missing from the indexes",
+                        e.len, e.owner
                     ));
                 }
             }
-            extents += a.free.len();
+            if held_here != a.held {
+                return Err(format!("arena {id}: held extent count drifted"));
+            }
+            held += held_here;
         }
-        if extents != self.by_size.len() {
+        let held_entries: usize = self.held.values().map(|s| s.len()).sum();
+        if open != self.open.len() || held != held_entries {
             return Err(format!(
-                "size index has {} entries for {extents} free extents",
-                self.by_size.len()
+                "indexes have {} open and {held_entries} held entries for {open} open and \
+                 {held} held extents",
+                self.open.len(),
             ));
         }
         Ok(())
@@ -170,13 +407,15 @@ mod tests {
     fn best_fit_prefers_the_smallest_hole() {
         let mut s = SubPage::default();
         s.add_arena(7, 16 * A);
-        let (_, a) = s.alloc(4 * A).unwrap();
-        let (_, b) = s.alloc(A).unwrap();
-        let (_, _c) = s.alloc(8 * A).unwrap();
-        s.free(7, a); // hole of 4 at 0, hole of 3 at the end
-        assert!(!s.free(7, b)); // merges with the hole before it: 5 at 0
-        let (_, d) = s.alloc(3 * A).unwrap();
-        assert_eq!(d, 13 * A, "took the 3-unit hole at the end, not the 5-unit one");
+        // Blocks are cut from the end of their extent.
+        let (_, a) = s.alloc(4 * A, 0).unwrap();
+        let (_, b) = s.alloc(A, 0).unwrap();
+        let (_, c) = s.alloc(8 * A, 0).unwrap();
+        assert_eq!((a, b, c), (12 * A, 11 * A, 3 * A));
+        s.free(7, a, Owner::Open); // hole of 3 at 0, hole of 4 at the end
+        assert!(s.free(7, b, Owner::Open).is_none()); // merges with the hole after it: 5 at 11
+        let (_, d) = s.alloc(3 * A, 0).unwrap();
+        assert_eq!(d, 0, "took the 3-unit hole at the start, not the 5-unit one");
         s.check().unwrap();
     }
 
@@ -184,38 +423,153 @@ mod tests {
     fn arena_empties_and_is_removed() {
         let mut s = SubPage::default();
         s.add_arena(1, 4 * A);
-        let (_, a) = s.alloc(A).unwrap();
-        let (_, b) = s.alloc(3 * A).unwrap();
-        assert_eq!(s.alloc(A), None);
+        let (_, a) = s.alloc(A, 0).unwrap();
+        let (_, b) = s.alloc(3 * A, 0).unwrap();
+        assert_eq!(s.alloc(A, 0), None);
         assert_eq!(s.block_containing(1, b + 10), Some((b, 3 * A)));
-        assert!(!s.free(1, a));
-        assert!(s.free(1, b));
+        assert_eq!(s.free(1, a, Owner::Open), None);
+        assert_eq!(s.free(1, b, Owner::Open), Some(Emptied { arena: 1, held: None }));
         s.remove_arena(1);
         assert_eq!(s.arena_count(), 0);
         s.check().unwrap();
     }
 
+    fn held(stream: u64, epoch: u64) -> Owner {
+        Owner::Held { stream, epoch }
+    }
+
+    #[test]
+    fn a_held_extent_is_its_streams_alone_until_settled() {
+        let mut s = SubPage::default();
+        s.add_arena(3, 4 * A);
+        let (_, x) = s.alloc(A, 1).unwrap();
+        let (_, a) = s.alloc(3 * A, 1).unwrap();
+        assert_eq!(s.free(3, a, held(1, 10)), None);
+        assert_eq!(s.alloc(A, 2), None, "another stream must wait");
+        assert!(s.fits(A, 1) && !s.fits(A, 2));
+        assert!(s.settle(1, 9).is_empty(), "epoch 10 has not completed");
+        assert_eq!(s.alloc(A, 2), None);
+        assert!(s.settle(1, 10).is_empty(), "settled, one block still in use");
+        assert!(!s.holds_for(1));
+        let (_, y) = s.alloc(A, 2).unwrap();
+        assert_eq!(y, 2 * A);
+        s.check().unwrap();
+        // An arena with nothing in use goes back, still held when its stream holds it.
+        assert_eq!(s.free(3, x, held(1, 11)), None, "the block at 2A is in use");
+        assert_eq!(s.free(3, y, held(1, 12)), Some(Emptied { arena: 3, held: Some((1, 12)) }));
+        s.check().unwrap();
+        s.remove_arena(3);
+        assert!(!s.holds_for(1));
+        s.check().unwrap();
+    }
+
+    #[test]
+    fn held_extents_merge_with_open_space_and_their_own_streams_only() {
+        let mut s = SubPage::default();
+        s.add_arena(0, 8 * A);
+        let b: Vec<u64> = (0..4).map(|_| s.alloc(2 * A, 1).unwrap().1).collect();
+        assert_eq!(b, [6 * A, 4 * A, 2 * A, 0]);
+        s.free(0, b[3], Owner::Open);
+        s.free(0, b[2], held(1, 5)); // joins the open space before it: held [0, 4)
+        s.free(0, b[0], held(2, 6)); // another stream's: apart
+        s.check().unwrap();
+        assert_eq!(s.alloc(4 * A, 1), Some((0, 0)), "stream 1 takes the merged extent");
+        assert_eq!(s.alloc(A, 1), None, "nothing else is stream 1's");
+        s.free(0, 0, held(1, 7));
+        s.free(0, b[1], held(1, 8)); // [0, 6) held for 1 until epoch 8, [6, 8) for 2
+        assert!(s.settle(1, 7).is_empty(), "the merged extent waits for its later epoch");
+        assert_eq!(s.alloc(A, 2), Some((0, 7 * A)), "stream 2 takes only its own");
+        // Opened, [0, 6) joins stream 2's held [6, 7).
+        assert!(s.settle(1, 8).is_empty());
+        assert!(!s.holds_for(1) && s.holds_for(2));
+        assert_eq!(s.alloc(6 * A, 3), None);
+        assert_eq!(s.alloc(6 * A, 2), Some((0, A)));
+        s.check().unwrap();
+    }
+
     proptest! {
         #[test]
-        fn random_mixes_keep_arenas_tiled(ops in proptest::collection::vec((any::<bool>(), 1u64..40), 1..400)) {
+        fn random_mixes_keep_arenas_tiled(
+            ops in proptest::collection::vec((0u8..4, 1u64..40, 0u64..3), 1..400)
+        ) {
             let mut s = SubPage::default();
             s.add_arena(0, 64 * A);
             s.add_arena(1, 64 * A);
             let mut live: Vec<(ArenaId, u64, u64)> = Vec::new();
-            for (alloc, units) in ops {
-                if alloc {
-                    if let Some((id, off)) = s.alloc(units * A) {
-                        for &(i, o, l) in &live {
-                            prop_assert!(i != id || off + units * A <= o || o + l <= off, "overlap");
+            let mut epoch = 0;
+            for (op, units, stream) in ops {
+                match op {
+                    0 | 1 => {
+                        if let Some((id, off)) = s.alloc(units * A, stream) {
+                            for &(i, o, l) in &live {
+                                prop_assert!(i != id || off + units * A <= o || o + l <= off, "overlap");
+                            }
+                            live.push((id, off, units * A));
                         }
-                        live.push((id, off, units * A));
                     }
-                } else if !live.is_empty() {
-                    let (id, off, _) = live.swap_remove(units as usize % live.len());
-                    s.free(id, off);
+                    2 if !live.is_empty() => {
+                        let (id, off, _) = live.swap_remove(units as usize % live.len());
+                        epoch += 1;
+                        let owner = if stream == 0 { Owner::Open } else { held(stream, epoch) };
+                        s.free(id, off, owner);
+                    }
+                    _ => {
+                        s.settle(stream, epoch.saturating_sub(units % 3));
+                    }
                 }
                 s.check().map_err(TestCaseError::fail)?;
             }
+        }
+
+        /// On one stream, what best fit hands out does not depend on when frees settle.
+        #[test]
+        fn one_streams_blocks_do_not_depend_on_when_frees_settle(
+            ops in proptest::collection::vec((any::<bool>(), 1u64..40, any::<bool>()), 1..300)
+        ) {
+            let run = |settle_now: bool| {
+                let mut s = SubPage::default();
+                let mut live: Vec<(ArenaId, u64)> = Vec::new();
+                let mut got = Vec::new();
+                // An emptied arena goes back to the heap, whose cache hands the lowest address
+                // out first: here, the lowest id.
+                let mut removed = std::collections::BTreeSet::new();
+                let mut next = 0;
+                let mut epoch = 0;
+                for &(alloc, units, settle) in &ops {
+                    if alloc {
+                        let at = s.alloc(units * A, 7).or_else(|| {
+                            let id = removed.pop_first().unwrap_or_else(|| {
+                                next += 1;
+                                next - 1
+                            });
+                            s.add_arena(id, 64 * A);
+                            s.alloc(units * A, 7)
+                        });
+                        got.push(at);
+                        live.extend(at);
+                    } else if !live.is_empty() {
+                        let (id, off) = live.remove(units as usize % live.len());
+                        epoch += 1;
+                        // An arena with nothing in use goes back to the heap, open (cached) or
+                        // held (pending for the stream): the stream gets either back the same way.
+                        let mut emptied: Vec<Emptied> =
+                            s.free(id, off, held(7, epoch)).into_iter().collect();
+                        for e in emptied.drain(..) {
+                            s.remove_arena(e.arena);
+                            removed.insert(e.arena);
+                        }
+                        if settle_now || settle {
+                            emptied.extend(s.settle(7, epoch));
+                        }
+                        for e in emptied {
+                            s.remove_arena(e.arena);
+                            removed.insert(e.arena);
+                        }
+                    }
+                }
+                got
+            };
+            prop_assert_eq!(run(true), run(false));
         }
     }
 }
