@@ -269,8 +269,13 @@ for numel in (n, 250):
     if RECORD:
         x.record_stream(side)
     del x                                      # freed on main, its allocation stream
-    z = torch.full((numel,), 7.0, device="cuda")   # same size on main, at once
-    early = z.data_ptr() == ptr
+    z = [torch.full((numel,), 7.0, device="cuda")]  # same size on main, at once
+    early = z[0].data_ptr() == ptr
+    # Below a page, a freed block joins the free space beside it and best fit may take other
+    # holes first: take blocks of its size (an arena holds 2,048) until one overlaps it.
+    while numel < n and not early and len(z) < 3000:
+        z.append(torch.full((numel,), 7.0, device="cuda"))
+        early = abs(z[-1].data_ptr() - ptr) < 4 * numel
     busy = not side.query()                    # the premise: side has not read x yet
     torch.cuda.synchronize()
     out[str(numel)] = {
