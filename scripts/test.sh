@@ -26,6 +26,8 @@ bash scripts/sanitize.sh thread address
 # The Python package: build the abi3 wheel, install it into a private folder, run pytest.
 python3 -m maturin --version >/dev/null 2>&1 || python3 -m pip install -q maturin
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest
+# The paged pool's Python tests build their tables with numpy.
+python3 -c "import numpy" >/dev/null 2>&1 || python3 -m pip install -q numpy
 rm -rf target/wheel target/pysite
 python3 -m maturin build --release --out target/wheel
 python3 -m pip install -q --no-deps --target target/pysite target/wheel/moonbright-*.whl
