@@ -363,6 +363,7 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     d.set_item("host_capacity", o.host_capacity)?;
     d.set_item("max_chunk", o.max_chunk_bytes)?;
     d.set_item("large_chunk", o.large_chunk_bytes)?;
+    d.set_item("largest_chunk", o.largest_chunk_bytes)?;
     d.set_item("unmap_batch", o.unmap_batch_ranges)?;
     d.set_item("unmap_batch_bytes", o.unmap_batch_bytes)?;
     d.set_item("unmap_run_handles", o.unmap_run_handles)?;

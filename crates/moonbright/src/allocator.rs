@@ -199,12 +199,14 @@ impl Allocator {
         }
         let max_chunk_pages = (options.max_chunk_bytes / page).max(1);
         let large_chunk_pages = (options.large_chunk_bytes / page).max(max_chunk_pages);
+        let largest_chunk_pages = (options.largest_chunk_bytes / page).max(large_chunk_pages);
         let total_pages = info.total.div_ceil(page);
         let lim = Limits {
             page,
             cap,
             max_chunk_pages,
             large_chunk_pages,
+            largest_chunk_pages,
             reserve_bytes: total_pages * page * options.va_reserve_factor,
             va_limit: total_pages * page * options.va_limit_factor,
             unmap_batch_ranges: options.unmap_batch_ranges,

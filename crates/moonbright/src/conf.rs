@@ -30,6 +30,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "large_chunk",
         "bytes: a power of two of at most 64GiB; needs this large use chunks this large",
     ),
+    (
+        "largest_chunk",
+        "bytes: a power of two of at most 64GiB; large needs use chunks up to this large",
+    ),
     ("unmap_batch", "retired ranges that trigger an unmap batch, 1 or more"),
     ("unmap_batch_bytes", "retired bytes that trigger an unmap batch"),
     ("unmap_run_handles", "chunk mappings one unmap call covers at most, 0 for no limit"),
@@ -161,6 +165,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.large_chunk_bytes = b;
         }
+        "largest_chunk" => {
+            let b = bytes()?;
+            if !b.is_power_of_two() || b > 64 << 30 {
+                return Err(bad(name, v));
+            }
+            opts.largest_chunk_bytes = b;
+        }
         "unmap_batch" => {
             let n: usize = v.parse().map_err(|_| bad(name, v))?;
             if n == 0 {
@@ -273,7 +284,8 @@ mod tests {
     fn every_key_parses() {
         let o = parse_conf(
             "backend:host, device:1, cap:12GiB, cap_fraction:0.5, host_page_size:64KiB, \
-             host_capacity:1GB, max_chunk:8MiB, large_chunk:256MiB, unmap_batch:7, \
+             host_capacity:1GB, max_chunk:8MiB, large_chunk:256MiB, largest_chunk:4GiB, \
+             unmap_batch:7, \
              unmap_batch_bytes:1MB, validate:true",
         )
         .unwrap();
@@ -285,6 +297,7 @@ mod tests {
         assert_eq!(o.host_capacity, 1_000_000_000);
         assert_eq!(o.max_chunk_bytes, 8 << 20);
         assert_eq!(o.large_chunk_bytes, 256 << 20);
+        assert_eq!(o.largest_chunk_bytes, 4 << 30);
         assert_eq!(o.unmap_batch_ranges, 7);
         assert_eq!(o.unmap_batch_bytes, 1_000_000);
         assert!(o.validate);
@@ -326,6 +339,7 @@ mod tests {
             ("host_page_size:3000", "host_page_size", "power of two"),
             ("max_chunk:3MiB", "max_chunk", "power of two"),
             ("large_chunk:3MiB", "large_chunk", "power of two"),
+            ("largest_chunk:128GiB", "largest_chunk", "power of two"),
             ("unmap_batch:0", "unmap_batch", "1 or more"),
             ("unmap_batch_bytes:x", "unmap_batch_bytes", "bytes"),
             ("validate:maybe", "validate", "true or false"),

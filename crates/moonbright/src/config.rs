@@ -51,12 +51,19 @@ pub struct Options {
     /// Largest physical chunk in bytes (a power-of-two multiple of the page). Larger chunks cut
     /// set-access and unmap calls, which cost per handle; 2 MiB pages keep stitching free.
     pub max_chunk_bytes: u64,
-    /// A request that must create at least this many bytes of new memory creates it in chunks
-    /// of up to this size instead of `max_chunk_bytes`: a cold 1 GiB allocation maps one handle
+    /// A request that must create at least this many bytes of new memory creates it in large
+    /// chunks instead of chunks of `max_chunk_bytes`: a cold 1 GiB allocation maps one handle
     /// instead of 16. Smaller needs, and growable allocations, keep `max_chunk_bytes`, so
     /// stitching keeps its freedom below it. A power of two of at most 64 GiB; at or below
     /// `max_chunk_bytes` it changes nothing.
     pub large_chunk_bytes: u64,
+    /// The largest of those large chunks: a need of `large_chunk_bytes` or more is created in
+    /// chunks of the largest power of two it holds, up to this size (then one chunk of what is
+    /// left), so a cold 8 GiB allocation maps one handle, as a raw `cuMemCreate` of 8 GiB
+    /// would, and any large need at most two. A chunk is mapped whole, so a large one serves a
+    /// smaller request only after a release-and-recreate split (docs/design.md). A power of two
+    /// of at most 64 GiB; at or below `large_chunk_bytes`, large chunks are of exactly that size.
+    pub largest_chunk_bytes: u64,
     /// Retired ranges that trigger an unmap batch.
     pub unmap_batch_ranges: usize,
     /// Retired bytes that trigger an unmap batch.
@@ -125,6 +132,7 @@ impl Default for Options {
             host_capacity: 64 * GIB,
             max_chunk_bytes: 64 * MIB,
             large_chunk_bytes: GIB,
+            largest_chunk_bytes: 64 * GIB,
             unmap_batch_ranges: 256,
             unmap_run_handles: 32,
             unmap_batch_bytes: 8 * GIB,
@@ -197,6 +205,12 @@ impl Options {
                 format!("{} is not a power of two of at most 64 GiB", self.large_chunk_bytes),
             );
         }
+        if !self.largest_chunk_bytes.is_power_of_two() || self.largest_chunk_bytes > 64 * GIB {
+            return bad(
+                "largest_chunk_bytes",
+                format!("{} is not a power of two of at most 64 GiB", self.largest_chunk_bytes),
+            );
+        }
         if self.unmap_batch_ranges == 0 {
             return bad("unmap_batch_ranges", "must be at least 1".into());
         }
@@ -254,6 +268,11 @@ mod tests {
             ("host_page_size", Options { host_page_size: 1024, ..Default::default() }),
             ("host_capacity", Options { host_capacity: 1, ..Default::default() }),
             ("max_chunk_bytes", Options { max_chunk_bytes: 3 << 20, ..Default::default() }),
+            ("largest_chunk_bytes", Options { largest_chunk_bytes: 3 << 30, ..Default::default() }),
+            (
+                "largest_chunk_bytes",
+                Options { largest_chunk_bytes: 128 << 30, ..Default::default() },
+            ),
             ("unmap_batch_ranges", Options { unmap_batch_ranges: 0, ..Default::default() }),
             ("unmap_batch_bytes", Options { unmap_batch_bytes: 0, ..Default::default() }),
             ("va_reserve_factor", Options { va_reserve_factor: 0, ..Default::default() }),

@@ -447,6 +447,52 @@ fn large_needs_use_large_chunks(opts: Options) {
     }
 }
 
+/// A large need is created in chunks of the largest power of two it holds, up to
+/// `largest_chunk` (at most two handles below that); a split of such a chunk cuts what is left
+/// the same way, so the next large request stitches two spares, not one chunk per `max_chunk`.
+fn large_needs_take_power_of_two_chunks(opts: Options) {
+    let max = opts.max_chunk_bytes as usize;
+    let o = Options {
+        large_chunk_bytes: 2 * max as u64,
+        largest_chunk_bytes: 8 * max as u64,
+        cap_bytes: Some(40 * max as u64),
+        cap_fraction: 1.0,
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let chunks = |a: &Allocator| a.stats().chunks.current;
+    let x = a.malloc(13 * max).unwrap();
+    assert_eq!(chunks(&a), 2, "13 = 8 + 5");
+    let b = a.malloc(3 * max).unwrap();
+    assert_eq!(chunks(&a), 4, "3 = 2 + 1");
+    let c = a.malloc(17 * max).unwrap();
+    assert_eq!(chunks(&a), 7, "17 = 8 + 8 + 1: no chunk above largest_chunk");
+    stamp(&a, b, 3 * max, 1).unwrap();
+    stamp(&a, c, 17 * max, 2).unwrap();
+    a.free(x).unwrap();
+    // 7 pages of headroom are left, but the freed 5 and 8 come first: the 8 splits into what
+    // the request lacks and spares of 4 and 3 (not seven of `max_chunk`).
+    let d = a.malloc(6 * max).unwrap();
+    assert_eq!(chunks(&a), 9, "the 8 became 1 + 4 + 3");
+    let (created, handles) = (a.stats().request_created_chunks, a.stats().request_mapped_handles);
+    let e = a.malloc(7 * max).unwrap();
+    assert_eq!(a.stats().request_created_chunks, created, "the spares cover it");
+    assert_eq!(a.stats().request_mapped_handles - handles, 2, "two spares, two handles");
+    assert_eq!(chunks(&a), 9);
+    stamp(&a, d, 6 * max, 3).unwrap();
+    stamp(&a, e, 7 * max, 4).unwrap();
+    for (i, &(ptr, size)) in
+        [(b, 3 * max), (c, 17 * max), (d, 6 * max), (e, 7 * max)].iter().enumerate()
+    {
+        assert!(verify(&a, ptr, size, i as u64 + 1).unwrap(), "contents of allocation {i}");
+    }
+    for ptr in [b, c, d, e] {
+        a.free(ptr).unwrap();
+    }
+}
+
 macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
@@ -524,6 +570,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::large_needs_use_large_chunks(o)
+                }
+            }
+            #[test]
+            fn large_needs_take_power_of_two_chunks() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::large_needs_take_power_of_two_chunks(o)
                 }
             }
             #[test]

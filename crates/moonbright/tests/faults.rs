@@ -11,13 +11,15 @@ use rand_chacha::ChaCha8Rng;
 
 const PAGE: usize = 64 << 10;
 
-/// A tight allocator: 96 pages, chunks up to 4 pages (8 for a need of 8 or more new pages), small
-/// unmap batches, so a short workload creates, splits, steals, maps, flushes and reserves.
+/// A tight allocator: 96 pages, chunks up to 4 pages (for a need of 8 or more new pages, the
+/// largest power of two it holds, up to 16), small unmap batches, so a short workload creates,
+/// splits, steals, maps, flushes and reserves.
 fn tight() -> Allocator {
     let opts = Options {
         cap_fraction: 1.0,
         max_chunk_bytes: 4 * PAGE as u64,
         large_chunk_bytes: 8 * PAGE as u64,
+        largest_chunk_bytes: 16 * PAGE as u64,
         unmap_batch_ranges: 3,
         va_reserve_factor: 1,
         va_limit_factor: 64,

@@ -124,9 +124,11 @@ pub(crate) struct Limits {
     pub cap: u64,
     /// Largest chunk, in pages.
     pub max_chunk_pages: u64,
-    /// Largest chunk a new range creates when it needs at least this many new pages (at least
-    /// `max_chunk_pages`).
+    /// A new range that needs at least this many new pages creates them in large chunks (at
+    /// least `max_chunk_pages`).
     pub large_chunk_pages: u64,
+    /// Largest of those (at least `large_chunk_pages`).
+    pub largest_chunk_pages: u64,
     /// Size of each virtual reservation.
     pub reserve_bytes: u64,
     /// Limit on all reservations together.
@@ -1006,19 +1008,15 @@ impl Heap {
         let mut release = Vec::new();
         let mut create = Vec::new();
         let mut spare = Vec::new();
-        // A need this large costs one handle per chunk either way: fewer, larger chunks.
-        let cap = if large && left >= self.lim.large_chunk_pages {
-            self.lim.large_chunk_pages
-        } else {
-            self.lim.max_chunk_pages
-        };
+        let cap = self.chunk_cap(left, large);
         if left > 0 && self.pool.has_bare_larger_than(left) {
             match self.pool.take_unmapped_bare_larger_than(left) {
                 Some(c) => {
                     let chunk = self.pool.get(c);
                     release.push((c, chunk.handle, chunk.pages));
                     create = chunk_plan(left, cap);
-                    spare = chunk_plan(chunk.pages - left, self.lim.max_chunk_pages);
+                    spare =
+                        chunk_plan(chunk.pages - left, self.chunk_cap(chunk.pages - left, large));
                     left = 0;
                 }
                 None => {
@@ -1050,6 +1048,20 @@ impl Heap {
             _ => {}
         }
         step
+    }
+
+    /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
+    /// chunk either way (set access and unmap cost per handle), so from `large_chunk_pages` up
+    /// it is the largest power of two the need holds (up to `largest_chunk_pages`): any large
+    /// need then takes at most two handles, as its lone `cuMemCreate` would take one. Smaller
+    /// needs, and growables (`large` false, they shrink by whole chunks), keep `max_chunk_pages`
+    /// so that stitching keeps its freedom.
+    fn chunk_cap(&self, pages: u64, large: bool) -> u64 {
+        if large && pages >= self.lim.large_chunk_pages {
+            (1u64 << pages.ilog2()).clamp(self.lim.large_chunk_pages, self.lim.largest_chunk_pages)
+        } else {
+            self.lim.max_chunk_pages
+        }
     }
 
     /// Breaks up the oldest covered pending range of `stream` that holds a chunk of at most

@@ -33,6 +33,7 @@ fn with_window(cap: usize, max_chunk: usize, window: usize) -> Arc<Allocator> {
         cap_bytes: Some((cap * PAGE) as u64),
         max_chunk_bytes: (max_chunk * PAGE) as u64,
         large_chunk_bytes: (max_chunk * PAGE) as u64,
+        largest_chunk_bytes: (max_chunk * PAGE) as u64,
         prefetch_window_min: (window * PAGE) as u64,
         prefetch_window_max: (window * PAGE) as u64,
         ..Options::host((64 * PAGE) as u64, PAGE)
@@ -563,6 +564,7 @@ fn a_capture_announced_while_the_worker_records_a_deferred_event() {
             cap_bytes: Some((2 * PAGE) as u64),
             max_chunk_bytes: (2 * PAGE) as u64,
             large_chunk_bytes: (2 * PAGE) as u64,
+            largest_chunk_bytes: (2 * PAGE) as u64,
             prefetch_window_max: 0,
             deferred_free_events: true,
             captures_announced: true,
