@@ -342,10 +342,14 @@ fn release_unused_gives_memory_back(a: &Allocator) {
     let p = a.malloc(10 * a.page_size()).unwrap();
     let q = a.malloc(1000).unwrap();
     a.free(p).unwrap();
-    let held = a.stats().reserved_bytes.current;
     let released = a.release_unused().unwrap();
     assert!(released >= 10 * a.page_size() as u64);
-    assert_eq!(a.stats().reserved_bytes.current, held - released);
+    // Only `q`'s arena page stays, besides a background worker's window: it maps its minimum
+    // again at once, and may take pages of the window just retired back into it before they
+    // are released. (Comparing reserved bytes before and after with what was released failed
+    // about once in 300 runs on a loaded machine, when such a refill landed in between.)
+    let s = settled_stats(a);
+    assert_eq!(s.reserved_bytes.current - s.window_bytes.current, a.page_size() as u64);
     a.free(q).unwrap();
     a.release_unused().unwrap();
     // A background worker with a minimum window maps it again at once (that much stays held).
