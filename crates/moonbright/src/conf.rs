@@ -113,6 +113,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     };
     let v = value.trim();
     let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
+    // A chunk size: a power of two of at most 64 GiB.
+    let chunk = || {
+        bytes().and_then(|b| match b.is_power_of_two() && b <= 64 << 30 {
+            true => Ok(b),
+            false => Err(bad(name, v)),
+        })
+    };
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {
@@ -151,27 +158,9 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.host_capacity = b;
         }
-        "max_chunk" => {
-            let b = bytes()?;
-            if !b.is_power_of_two() || b > 64 << 30 {
-                return Err(bad(name, v));
-            }
-            opts.max_chunk_bytes = b;
-        }
-        "large_chunk" => {
-            let b = bytes()?;
-            if !b.is_power_of_two() || b > 64 << 30 {
-                return Err(bad(name, v));
-            }
-            opts.large_chunk_bytes = b;
-        }
-        "largest_chunk" => {
-            let b = bytes()?;
-            if !b.is_power_of_two() || b > 64 << 30 {
-                return Err(bad(name, v));
-            }
-            opts.largest_chunk_bytes = b;
-        }
+        "max_chunk" => opts.max_chunk_bytes = chunk()?,
+        "large_chunk" => opts.large_chunk_bytes = chunk()?,
+        "largest_chunk" => opts.largest_chunk_bytes = chunk()?,
         "unmap_batch" => {
             let n: usize = v.parse().map_err(|_| bad(name, v))?;
             if n == 0 {

@@ -56,15 +56,16 @@ pub struct Options {
     /// instead of 16. Smaller needs, and growable allocations, keep `max_chunk_bytes`, so
     /// stitching keeps its freedom below it. 128 MiB by default: in the fragmentation stress
     /// the requests mapped 13% fewer handles than with 1 GiB, for the same reserved memory
-    /// (docs/design.md, Chunks). A power of two of at most 64 GiB; at or below
+    /// (docs/design.md, Known limits). A power of two of at most 64 GiB; at or below
     /// `max_chunk_bytes` it changes nothing.
     pub large_chunk_bytes: u64,
     /// The largest of those large chunks: a need of `large_chunk_bytes` or more is created in
     /// chunks of the largest power of two it holds, up to this size (then one chunk of what is
     /// left), so a cold 8 GiB allocation maps one handle, as a raw `cuMemCreate` of 8 GiB
-    /// would, and any large need at most two. A chunk is mapped whole, so a large one serves a
-    /// smaller request only after a release-and-recreate split (docs/design.md). A power of two
-    /// of at most 64 GiB; at or below `large_chunk_bytes`, large chunks are of exactly that size.
+    /// would, and a large need below twice this size at most two. A chunk is mapped whole, so
+    /// a large one serves a smaller request only after a release-and-recreate split
+    /// (docs/design.md, Known limits). A power of two of at most 64 GiB; at or below
+    /// `large_chunk_bytes`, large chunks are of exactly that size.
     pub largest_chunk_bytes: u64,
     /// Retired ranges that trigger an unmap batch.
     pub unmap_batch_ranges: usize,
@@ -195,23 +196,14 @@ impl Options {
                 format!("{} bytes is less than one page ({page})", self.host_capacity),
             );
         }
-        if !self.max_chunk_bytes.is_power_of_two() || self.max_chunk_bytes > 64 * GIB {
-            return bad(
-                "max_chunk_bytes",
-                format!("{} is not a power of two of at most 64 GiB", self.max_chunk_bytes),
-            );
-        }
-        if !self.large_chunk_bytes.is_power_of_two() || self.large_chunk_bytes > 64 * GIB {
-            return bad(
-                "large_chunk_bytes",
-                format!("{} is not a power of two of at most 64 GiB", self.large_chunk_bytes),
-            );
-        }
-        if !self.largest_chunk_bytes.is_power_of_two() || self.largest_chunk_bytes > 64 * GIB {
-            return bad(
-                "largest_chunk_bytes",
-                format!("{} is not a power of two of at most 64 GiB", self.largest_chunk_bytes),
-            );
+        for (name, b) in [
+            ("max_chunk_bytes", self.max_chunk_bytes),
+            ("large_chunk_bytes", self.large_chunk_bytes),
+            ("largest_chunk_bytes", self.largest_chunk_bytes),
+        ] {
+            if !b.is_power_of_two() || b > 64 * GIB {
+                return bad(name, format!("{b} is not a power of two of at most 64 GiB"));
+            }
         }
         if self.unmap_batch_ranges == 0 {
             return bad("unmap_batch_ranges", "must be at least 1".into());

@@ -1052,10 +1052,10 @@ impl Heap {
 
     /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
     /// chunk either way (set access and unmap cost per handle), so from `large_chunk_pages` up
-    /// it is the largest power of two the need holds (up to `largest_chunk_pages`): any large
-    /// need then takes at most two handles, as its lone `cuMemCreate` would take one. Smaller
-    /// needs, and growables (`large` false, they shrink by whole chunks), keep `max_chunk_pages`
-    /// so that stitching keeps its freedom.
+    /// it is the largest power of two the need holds (up to `largest_chunk_pages`): a large
+    /// need below twice that then takes at most two handles, where a lone `cuMemCreate` takes
+    /// one. Smaller needs, and growables (`large` false, they shrink by whole chunks), keep
+    /// `max_chunk_pages` so that stitching keeps its freedom.
     fn chunk_cap(&self, pages: u64, large: bool) -> u64 {
         if large && pages >= self.lim.large_chunk_pages {
             (1u64 << pages.ilog2()).clamp(self.lim.large_chunk_pages, self.lim.largest_chunk_pages)
