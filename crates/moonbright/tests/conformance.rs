@@ -497,6 +497,29 @@ fn large_needs_take_power_of_two_chunks(opts: Options) {
     }
 }
 
+/// Reservations of a page-table region or more start on one (`driver::reservation_alignment`):
+/// the first range of an allocator, at the start of its first reservation, spans only the
+/// regions its size needs (on an H200 each empty region a mapping enters costs 14-18 µs more).
+fn reservations_start_on_page_table_regions(opts: Options) {
+    let region = moonbright::driver::PAGE_TABLE_REGION as u64;
+    let o = Options {
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        host_capacity: opts.host_capacity.max(region),
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let p = a.malloc(a.page_size()).unwrap();
+    assert_eq!(p % region, 0, "the first range starts its reservation, on a region");
+    let g = a.reserve_growable(region as usize).unwrap();
+    assert_eq!(g % region, 0, "a growable's own reservation of a region starts on one");
+    let small = a.reserve_growable(a.page_size()).unwrap();
+    assert_eq!(small % a.page_size() as u64, 0);
+    for ptr in [small, g, p] {
+        a.free(ptr).unwrap();
+    }
+}
+
 macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
@@ -581,6 +604,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::large_needs_take_power_of_two_chunks(o)
+                }
+            }
+            #[test]
+            fn reservations_start_on_page_table_regions() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::reservations_start_on_page_table_regions(o)
                 }
             }
             #[test]

@@ -20,7 +20,7 @@ impl Shared {
             Some(len) if len <= limit => len,
             _ => return Err(Error::AddressSpaceExhausted { reserved: capacity, limit }),
         };
-        let base = self.driver.reserve(len as usize, page as usize)?;
+        let base = self.reserve(len)?;
         let mut heap = self.heap();
         heap.add_growable(base, len);
         self.validated(&heap);

@@ -182,6 +182,12 @@ impl Shared {
         }
     }
 
+    /// Reserves `len` bytes of addresses, aligned as `driver::reservation_alignment` says.
+    pub fn reserve(&self, len: u64) -> std::result::Result<DevicePtr, DriverError> {
+        let align = crate::driver::reservation_alignment(len as usize, self.driver.granularity());
+        self.driver.reserve(len as usize, align)
+    }
+
     /// Wakes the worker if it is asleep. A worker that is about to sleep may miss it, as it
     /// could miss a notification sent before it waits: it then wakes at its next tick.
     pub fn wake_worker(&self) {
@@ -412,8 +418,7 @@ impl Shared {
                     return r.map(|id| Some((id, heap)));
                 }
                 Step::Reserve(len) => {
-                    let page = self.driver.granularity();
-                    let base = self.driver.reserve(len as usize, page)?;
+                    let base = self.reserve(len)?;
                     self.heap().add_reservation(base, len);
                 }
                 Step::Flush(only) => {

@@ -134,7 +134,7 @@ impl Worker {
                 return true;
             }
             Some(Step::Reserve(len)) => {
-                match shared.driver.reserve(len as usize, page as usize) {
+                match shared.reserve(len) {
                     Ok(base) => shared.heap().add_reservation(base, len),
                     Err(e) => shared.heap().note_deferred_error(e),
                 }
