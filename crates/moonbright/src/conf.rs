@@ -113,13 +113,17 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     };
     let v = value.trim();
     let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
-    // A chunk size: a power of two of at most 64 GiB.
-    let chunk = || {
-        bytes().and_then(|b| match b.is_power_of_two() && b <= 64 << 30 {
-            true => Ok(b),
-            false => Err(bad(name, v)),
-        })
-    };
+    // A chunk size (`config::valid_chunk_size`).
+    let chunk =
+        || {
+            bytes().and_then(|b| {
+                if crate::config::valid_chunk_size(b) {
+                    Ok(b)
+                } else {
+                    Err(bad(name, v))
+                }
+            })
+        };
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {

@@ -155,6 +155,11 @@ impl Default for Options {
     }
 }
 
+/// Whether `bytes` may be a chunk-size option: a power of two of at most 64 GiB.
+pub(crate) fn valid_chunk_size(bytes: u64) -> bool {
+    bytes.is_power_of_two() && bytes <= 64 * GIB
+}
+
 impl Options {
     /// Options for the host backend with `capacity` bytes of simulated memory and `page` bytes a
     /// page, checking invariants after every operation: the set-up tests use.
@@ -201,7 +206,7 @@ impl Options {
             ("large_chunk_bytes", self.large_chunk_bytes),
             ("largest_chunk_bytes", self.largest_chunk_bytes),
         ] {
-            if !b.is_power_of_two() || b > 64 * GIB {
+            if !valid_chunk_size(b) {
                 return bad(name, format!("{b} is not a power of two of at most 64 GiB"));
             }
         }
