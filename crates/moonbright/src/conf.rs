@@ -11,7 +11,7 @@
 //! Unknown keys and bad values are refused with [`Error::InvalidOption`], naming the key and what
 //! is allowed. The resulting options are checked with [`Options::check`].
 
-use crate::config::{BackendKind, Options};
+use crate::config::{valid_chunk_size, BackendKind, Options};
 use crate::error::{Error, Result};
 
 /// The environment variable read by the Python package.
@@ -115,15 +115,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
     // A chunk size (`config::valid_chunk_size`).
     let chunk =
-        || {
-            bytes().and_then(|b| {
-                if crate::config::valid_chunk_size(b) {
-                    Ok(b)
-                } else {
-                    Err(bad(name, v))
-                }
-            })
-        };
+        || bytes().and_then(|b| valid_chunk_size(b).then_some(b).ok_or_else(|| bad(name, v)));
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {
