@@ -3,7 +3,7 @@
 
 use moonbright::baseline::NoRemapAllocator;
 use moonbright::scenario::{fragmentation, stamp, verify};
-use moonbright::{Allocator, BackendKind, Error, Options};
+use moonbright::{Allocator, BackendKind, CallKind, Error, Options};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -451,6 +451,75 @@ fn large_needs_use_large_chunks(opts: Options) {
     }
 }
 
+/// Large fresh requests get whole window chunks of their size: once the mapper has seen one,
+/// it refills the window with one chunk (one create, one set access) where it would map a
+/// chunk per page, a hit of that size hands over that one chunk, smaller requests still take
+/// one-page chunks, and memory pressure takes whole chunks back like pages.
+fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
+    let max = opts.max_chunk_bytes;
+    let large = 4 * max;
+    let window = 4 * large;
+    let o = Options {
+        background: true,
+        large_chunk_bytes: large,
+        largest_chunk_bytes: 8 * max,
+        prefetch_window_min: window,
+        prefetch_window_max: window,
+        cap_bytes: Some(2 * window),
+        cap_fraction: 1.0,
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let page = a.page_size() as u64;
+    let full = |a: &Allocator| a.stats().window_bytes.current == window;
+    let wait_full = |a: &Allocator| {
+        let t = std::time::Instant::now();
+        while !full(a) {
+            assert!(t.elapsed().as_secs() < 20, "the window did not fill");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let calls = |a: &Allocator, k| a.stats().driver_calls.get(k);
+    let chunks_at =
+        |a: &Allocator, p: u64| a.segments().iter().find(|s| s.addr == p).unwrap().chunks;
+    wait_full(&a);
+    // The first is served from one-page chunks (the window was filled before any request).
+    let hits = a.stats().window_hits;
+    let first = a.malloc(large as usize).unwrap();
+    assert_eq!(chunks_at(&a, first), (large / page) as usize);
+    wait_full(&a);
+    let (creates, sets) = (calls(&a, CallKind::Create), calls(&a, CallKind::SetAccess));
+    let second = a.malloc(large as usize).unwrap();
+    assert_eq!(chunks_at(&a, second), 1, "a whole chunk the mapper made for it");
+    wait_full(&a);
+    assert_eq!(calls(&a, CallKind::Create), creates + 1, "the refill created one chunk");
+    assert_eq!(calls(&a, CallKind::SetAccess), sets + 1);
+    // A page less: the same whole chunk fits (within an eighth), the page counted as rounding.
+    let third = a.malloc((large - page) as usize).unwrap();
+    assert_eq!(chunks_at(&a, third), 1);
+    let small = a.malloc(page as usize).unwrap();
+    assert_eq!(chunks_at(&a, small), 1);
+    assert_eq!(a.stats().window_hits, hits + 4, "all four from the window");
+    for (i, &(p, n)) in
+        [(first, large), (second, large), (third, large - page), (small, page)].iter().enumerate()
+    {
+        stamp(&a, p, n as usize, i as u64 + 1).unwrap();
+    }
+    // Pressure: everything left, window included, serves one request.
+    wait_full(&a);
+    let live = 3 * large + page;
+    let rest = a.malloc((2 * window - live) as usize).unwrap();
+    for (i, &(p, n)) in
+        [(first, large), (second, large), (third, large - page), (small, page)].iter().enumerate()
+    {
+        assert!(verify(&a, p, n as usize, i as u64 + 1).unwrap());
+    }
+    for p in [first, second, third, small, rest] {
+        a.free(p).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
 /// A large need is created in chunks of the largest power of two it holds, up to
 /// `largest_chunk` (at most two handles below that); a split of such a chunk cuts what is left
 /// the same way, so the next large request stitches two spares, not one chunk per `max_chunk`.
@@ -597,6 +666,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::large_needs_use_large_chunks(o)
+                }
+            }
+            #[test]
+            fn large_fresh_requests_get_whole_window_chunks() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::large_fresh_requests_get_whole_window_chunks(o)
                 }
             }
             #[test]

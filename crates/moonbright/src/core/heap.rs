@@ -221,6 +221,9 @@ pub(crate) struct Heap {
     growables: BTreeMap<u64, Growable>,
     /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
     fresh_pages: u64,
+    /// The largest of those requests since then, in pages (what the mapper shapes whole
+    /// window chunks by).
+    fresh_largest: u64,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
     last_request_map: Option<std::time::Instant>,
     /// Events the background worker created ahead of need, for frees on any stream that has no
@@ -268,6 +271,7 @@ impl Heap {
             unmapping_private: Vec::new(),
             growables: BTreeMap::new(),
             fresh_pages: 0,
+            fresh_largest: 0,
             last_request_map: None,
             event_stock: Vec::new(),
             records_in_flight: 0,
@@ -410,11 +414,11 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Ok(Some(self.uncache(seq)));
         }
-        if let Some((va, chunks)) = self.window.take(pages) {
+        if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / NEAR_FIT_DIVISOR) {
             self.stats.window_hits += 1;
-            self.stats.window_bytes.sub(self.bytes(pages));
-            self.fresh_pages += pages;
-            return Ok(Some(self.add_range(va, pages, chunks, Use::Alloc)));
+            self.stats.window_bytes.sub(self.bytes(got));
+            self.note_fresh(pages, got);
+            return Ok(Some(self.add_range(va, got, chunks, Use::Alloc)));
         }
         Ok(None)
     }
@@ -430,13 +434,21 @@ impl Heap {
     /// Completes a request with a range mapped for it: a new arena's first block, or the
     /// allocation itself.
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
-        self.fresh_pages += self.range(id).pages;
+        let pages = self.range(id).pages;
+        self.note_fresh(pages, pages);
         self.last_request_map = Some(std::time::Instant::now());
         if arena {
             self.start_arena(id, size, stream)
         } else {
             self.finish_range(id, size, stream)
         }
+    }
+
+    /// Counts a request of `asked` pages served `got` pages at fresh addresses (the mapper's
+    /// measure of demand).
+    fn note_fresh(&mut self, asked: u64, got: u64) {
+        self.fresh_pages += got;
+        self.fresh_largest = self.fresh_largest.max(asked);
     }
 
     fn start_arena(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
@@ -1287,14 +1299,15 @@ impl Heap {
         self.retire(range.va, len, range.chunks.into_vec());
     }
 
-    /// Takes up to `pages` pages back from the window's tail: bare chunks, retired addresses.
+    /// Takes pages back from the window's tail (up to `pages`, or one whole chunk): bare
+    /// chunks, retired addresses.
     fn steal_window(&mut self, pages: u64) {
-        if let Some((va, chunks)) = self.window.take_tail(pages) {
-            self.stats.window_bytes.sub(self.bytes(chunks.len() as u64));
+        if let Some((va, got, chunks)) = self.window.take_tail(pages) {
+            let len = self.bytes(got);
+            self.stats.window_bytes.sub(len);
             for &c in &chunks {
                 self.pool.put_bare(c);
             }
-            let len = self.bytes(chunks.len() as u64);
             self.retire(va, len, chunks);
         }
     }
@@ -1308,9 +1321,10 @@ impl Heap {
         self.va.retire(Retired { va, len, chunks, after });
     }
 
-    /// Pages fresh allocations took since the last call (the mapper's measure of demand).
-    pub fn take_fresh_demand(&mut self) -> u64 {
-        std::mem::take(&mut self.fresh_pages)
+    /// Since the last call (the mapper's measure of demand): the pages fresh allocations took,
+    /// and the largest of their requests, in pages.
+    pub fn take_fresh_demand(&mut self) -> (u64, u64) {
+        (std::mem::take(&mut self.fresh_pages), std::mem::take(&mut self.fresh_largest))
     }
 
     /// Whether a request mapped a range of its own within `recent`: the driver seems to
@@ -1323,29 +1337,58 @@ impl Heap {
         self.window.pages()
     }
 
-    /// Plans mapping up to `want` more one-page chunks into the window, creating at most `create`
-    /// new ones: bare one-page chunks first. `None` if nothing is to be done; `Step::Reserve` or
-    /// `Step::Flush` if addresses must be found first.
-    pub fn plan_window_refill(&mut self, want: u64, create: u64) -> Option<Step> {
-        if want == 0 {
-            return None;
+    /// The size, in pages, of the whole window chunks to map for fresh requests of up to
+    /// `largest` pages: `largest` itself if new memory of that size would be created as large
+    /// chunks (`chunk_cap`) and one chunk can hold it; else 0, one-page chunks.
+    pub fn whole_window_chunk(&self, largest: u64) -> u64 {
+        let large = self.lim.large_chunk_pages..=self.lim.largest_chunk_pages;
+        if self.lim.largest_chunk_pages > self.lim.max_chunk_pages && large.contains(&largest) {
+            largest
+        } else {
+            0
         }
+    }
+
+    /// Plans mapping more into the window: with `whole` > 0, one chunk of `whole` pages mapped
+    /// alone (a bare chunk of that size, else a new one if `create` allows it); otherwise, or if
+    /// neither is there, up to `want` one-page chunks, bare ones first, creating at most
+    /// `create`. `None` if nothing is to be done; `Step::Reserve` or `Step::Flush` if addresses
+    /// must be found first.
+    pub fn plan_window_refill(&mut self, want: u64, create: u64, whole: u64) -> Option<Step> {
         let (next, end) = self.window_slab;
         let slab_left = (end - next) / self.lim.page;
-        let n =
-            if slab_left > 0 { want.min(slab_left) } else { want.min(self.lim.window_slab_pages) };
         let mut got = Vec::new();
-        while (got.len() as u64) < n {
-            match self.pool.take_bare_at_most(1) {
+        let mut new = Vec::new();
+        if whole > 0 {
+            match self.pool.take_bare_of(whole) {
                 Some(c) => got.push(c),
-                None => break,
+                None if create >= whole && self.headroom() >= whole => new.push(whole),
+                None => {}
             }
         }
-        let new = (n - got.len() as u64).min(create).min(self.headroom());
-        if got.is_empty() && new == 0 {
-            return None;
+        if got.is_empty() && new.is_empty() {
+            if want == 0 {
+                return None;
+            }
+            let n = if slab_left > 0 {
+                want.min(slab_left)
+            } else {
+                want.min(self.lim.window_slab_pages)
+            };
+            while (got.len() as u64) < n {
+                match self.pool.take_bare_at_most(1) {
+                    Some(c) => got.push(c),
+                    None => break,
+                }
+            }
+            let created = (n - got.len() as u64).min(create).min(self.headroom());
+            new = vec![1; created as usize];
+            if got.is_empty() && new.is_empty() {
+                return None;
+            }
         }
-        let pages = got.len() as u64 + new;
+        let pages =
+            got.iter().map(|&c| self.pool.get(c).pages).sum::<u64>() + new.iter().sum::<u64>();
         let va = if slab_left >= pages {
             self.window_slab.0 += self.bytes(pages);
             next
@@ -1371,7 +1414,7 @@ impl Heap {
             self.window_slab = (base + self.bytes(pages), base + slab);
             base
         };
-        Some(self.claim(va, self.bytes(pages), got, Vec::new(), vec![1; new as usize], Vec::new()))
+        Some(self.claim(va, self.bytes(pages), got, Vec::new(), new, Vec::new()))
     }
 
     /// Commits a window refill: the pages join the window.
@@ -1381,7 +1424,10 @@ impl Heap {
         let (va, pages) = (plan.va, plan.len / self.lim.page);
         let chunks = self.commit_mapping(plan, ex)?;
         self.stats.window_bytes.add(self.bytes(pages));
-        self.window.add(va, chunks);
+        match chunks[..] {
+            [c] if pages > 1 => self.window.add_whole(va, c, pages),
+            _ => self.window.add(va, chunks),
+        }
         Ok(())
     }
 
@@ -1466,8 +1512,7 @@ impl Heap {
     /// be granted access to; retired spans, on their way to be unmapped, are left out.
     pub fn mapped_spans(&self) -> Vec<(u64, u64)> {
         let ranges = self.ranges.iter().flatten().map(|r| (r.va, self.bytes(r.pages)));
-        let window =
-            self.window.segments().map(|(va, chunks)| (va, self.bytes(chunks.len() as u64)));
+        let window = self.window.segments().map(|(va, pages, _)| (va, self.bytes(pages)));
         let growables = self
             .growables
             .values()
@@ -1537,9 +1582,8 @@ impl Heap {
             let len = self.bytes(r.pages);
             self.retire(r.va, len, r.chunks.into_vec());
         }
-        for (va, chunks) in self.window.drain() {
-            let len = self.bytes(chunks.len() as u64);
-            self.retire(va, len, chunks);
+        for (va, pages, chunks) in self.window.drain() {
+            self.retire(va, self.bytes(pages), chunks);
         }
         let growables = std::mem::take(&mut self.growables);
         for g in growables.values().filter(|g| g.committed > 0) {
@@ -1715,15 +1759,21 @@ impl Heap {
         if pending_ranges != self.streams.pending_pages() {
             return Err("pending page count drifted".into());
         }
-        for (va, chunks) in self.window.segments() {
+        for (va, pages, chunks) in self.window.segments() {
+            let mut sum = 0;
             for &c in &chunks {
                 *owners.entry(c).or_default() += 1;
                 *maps.entry(c).or_default() += 1;
-                if self.pool.get(c).pages != 1 {
-                    return Err(format!("window chunk {c} is not one page"));
+                let p = self.pool.get(c).pages;
+                if chunks.len() > 1 && p != 1 {
+                    return Err(format!("window chunk {c} of {p} pages is in a segment"));
                 }
+                sum += p;
             }
-            spans.push((va, chunks.len() as u64 * page, "window"));
+            if sum != pages {
+                return Err(format!("window span at {va:#x}: {pages} pages, chunks of {sum}"));
+            }
+            spans.push((va, pages * page, "window"));
         }
         let (grow_allocated, grow_active) =
             self.check_growables(&mut owners, &mut maps, &mut spans)?;

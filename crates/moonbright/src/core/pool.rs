@@ -129,6 +129,12 @@ impl Pool {
         Some(self.unbare(pages, id))
     }
 
+    /// Takes a bare chunk of exactly `pages` pages.
+    pub fn take_bare_of(&mut self, pages: u64) -> Option<ChunkId> {
+        let &(p, id) = self.bare.range((pages, 0)..=(pages, ChunkId::MAX)).next()?;
+        Some(self.unbare(p, id))
+    }
+
     /// Takes the smallest bare chunk larger than `pages` that is mapped nowhere, for splitting.
     pub fn take_unmapped_bare_larger_than(&mut self, pages: u64) -> Option<ChunkId> {
         let &(p, id) =

@@ -61,6 +61,10 @@ pub(crate) struct Worker {
     page: u64,
     min_pages: u64,
     max_pages: u64,
+    /// The pages of the whole chunks the window is refilled with (`Heap::whole_window_chunk` of
+    /// the largest fresh request last seen); 0: one-page chunks. Fresh demand of small requests
+    /// only sets it back to 0.
+    whole: u64,
 }
 
 impl Worker {
@@ -71,6 +75,7 @@ impl Worker {
             page,
             min_pages: shared.options.prefetch_window_min / page,
             max_pages: shared.options.prefetch_window_max / page,
+            whole: 0,
         }
     }
 
@@ -109,7 +114,11 @@ impl Worker {
         let (min_pages, max_pages, page) = (self.min_pages, self.max_pages, self.page);
         let plan = {
             let mut heap = shared.heap();
-            let rate = self.demand.update(heap.take_fresh_demand());
+            let (fresh, largest) = heap.take_fresh_demand();
+            let rate = self.demand.update(fresh);
+            if fresh > 0 {
+                self.whole = heap.whole_window_chunk(largest);
+            }
             if heap.requests_mapping_within(QUIET_BEFORE_REFILL) && heap.window_pages() >= min_pages
             {
                 return false;
@@ -119,11 +128,15 @@ impl Worker {
             let target =
                 ((rate * WINDOW_HORIZON.as_secs_f64()).ceil() as u64).clamp(min_pages, share);
             let have = heap.window_pages();
-            let want = target.saturating_sub(have).min(shared.options.window_refill_pages);
+            let short = target.saturating_sub(have);
+            // Large fresh requests get whole chunks of their size, one handle each, once the
+            // window has room for one; otherwise one-page chunks, a few at a time.
+            let whole = if self.whole > 0 && short >= self.whole { self.whole } else { 0 };
+            let want = short.min(shared.options.window_refill_pages);
             // New chunks up to the minimum the user asked for; beyond it only when no held memory
             // is free (creating while free chunks sit idle would raise what is held for nothing).
-            let create = if have < min_pages || heap.free_held_pages() == 0 { want } else { 0 };
-            heap.plan_window_refill(want, create)
+            let create = if have < min_pages || heap.free_held_pages() == 0 { short } else { 0 };
+            heap.plan_window_refill(want, create, whole)
         };
         let plan = match plan {
             None | Some(Step::Wait | Step::OutOfMemory(_)) => return false,
