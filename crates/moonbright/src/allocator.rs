@@ -105,6 +105,12 @@ impl Driver for Backend {
     fn bind_thread(&self) -> DriverResult<()> {
         self.as_dyn().bind_thread()
     }
+    fn begin_batch(&self) -> crate::driver::Batch {
+        self.as_dyn().begin_batch()
+    }
+    fn end_batch(&self, batch: crate::driver::Batch) {
+        self.as_dyn().end_batch(batch)
+    }
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
         self.as_dyn().write(dst, src)
     }

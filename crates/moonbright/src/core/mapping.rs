@@ -4,7 +4,7 @@
 //! failure, and the heap commits the outcome under the lock again.
 
 use super::pool::ChunkId;
-use crate::driver::{ChunkHandle, Driver, DriverError};
+use crate::driver::{batched, ChunkHandle, Driver, DriverError};
 
 /// What a range-making request will do with the driver.
 #[derive(Debug)]
@@ -50,9 +50,13 @@ pub(crate) struct Executed {
     pub stuck: Option<(u64, usize)>,
 }
 
-/// Runs a plan: releases, creates, maps and sets access; on failure undoes its own work as far
-/// as the driver lets it.
+/// Runs a plan: releases, creates, maps and sets access, as one batch of driver calls; on
+/// failure undoes its own work as far as the driver lets it.
 pub(crate) fn execute(driver: &dyn Driver, plan: &MapPlan) -> Executed {
+    batched(driver, || execute_calls(driver, plan))
+}
+
+fn execute_calls(driver: &dyn Driver, plan: &MapPlan) -> Executed {
     let mut ex = Executed {
         released: 0,
         created: Vec::new(),
@@ -126,10 +130,18 @@ fn release_created(driver: &dyn Driver, created: &mut Vec<(ChunkHandle, u64)>, k
     *created = kept;
 }
 
-/// Unmaps runs of retired ranges taken out of the queue under the lock, one call each, calling
-/// `between` before every call but the first. Returns how many were unmapped, and the error that
-/// stopped it.
+/// Unmaps runs of retired ranges taken out of the queue under the lock, one call each (one
+/// batch of driver calls), calling `between` before every call but the first. Returns how many
+/// were unmapped, and the error that stopped it. `between` must make no driver call.
 pub(crate) fn unmap_runs(
+    driver: &dyn Driver,
+    runs: &[super::vaspace::UnmapRun],
+    between: impl Fn(),
+) -> (usize, Option<DriverError>) {
+    batched(driver, || unmap_runs_calls(driver, runs, between))
+}
+
+fn unmap_runs_calls(
     driver: &dyn Driver,
     runs: &[super::vaspace::UnmapRun],
     between: impl Fn(),
@@ -145,9 +157,16 @@ pub(crate) fn unmap_runs(
     (runs.len(), None)
 }
 
-/// Unmaps every run, going on past failures (teardown: whatever can be unmapped is). Returns
-/// how many failed, and the first error.
+/// Unmaps every run, going on past failures (teardown: whatever can be unmapped is), as one
+/// batch of driver calls. Returns how many failed, and the first error.
 pub(crate) fn unmap_all(
+    driver: &dyn Driver,
+    runs: &[super::vaspace::UnmapRun],
+) -> (usize, Option<DriverError>) {
+    batched(driver, || unmap_all_calls(driver, runs))
+}
+
+fn unmap_all_calls(
     driver: &dyn Driver,
     runs: &[super::vaspace::UnmapRun],
 ) -> (usize, Option<DriverError>) {

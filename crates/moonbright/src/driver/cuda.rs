@@ -3,6 +3,7 @@
 //! which context each call runs under), the peers granted access, and the conversion of every
 //! `CUresult` into a [`DriverError`].
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
@@ -12,7 +13,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 
 use super::{
-    code, CallKind, ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle,
+    code, Batch, CallKind, ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle,
     MemInfo, StreamHandle,
 };
 
@@ -70,7 +71,12 @@ const REQUIRED_SYMBOLS: [&str; 34] = [
 /// thread allocating beside a global-mode capture invalidated it, and the worker's calls failed
 /// over 2,000 times. The mode is per thread, so this changes nothing for the caller's own calls.
 /// A failure to switch is ignored: the call then runs in the thread's own mode, as before.
+///
+/// Inside a batch (`Driver::begin_batch`) that switched the mode already, it just runs `call`.
 fn relaxed<T>(call: impl FnOnce() -> T) -> T {
+    if BATCH.with(|b| b.get().is_some_and(|b| b.mode.is_some())) {
+        return call();
+    }
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: `mode` is a valid in/out pointer; the driver swaps the thread's mode into it.
     let swapped =
@@ -178,6 +184,20 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "non-string panic payload".into()
     }
+}
+
+/// A batch of calls open on this thread (`Driver::begin_batch`): the context it made current,
+/// whether it pushed it, and the capture mode it replaced with relaxed (`None`: the switch
+/// failed, and each call tries for itself).
+#[derive(Clone, Copy)]
+struct OpenBatch {
+    ctx: sys::CUcontext,
+    pushed: bool,
+    mode: Option<sys::CUstreamCaptureMode>,
+}
+
+thread_local! {
+    static BATCH: Cell<Option<OpenBatch>> = const { Cell::new(None) };
 }
 
 /// The primary context of a device.
@@ -408,7 +428,7 @@ impl CudaDriver {
     #[inline]
     fn enter(&self, kind: CallKind) -> DriverResult<CtxScope> {
         let ctx = self.ctx.0;
-        if current_context(kind)? == ctx {
+        if BATCH.with(|b| b.get().is_some_and(|b| b.ctx == ctx)) || current_context(kind)? == ctx {
             return Ok(CtxScope { pushed: false });
         }
         // SAFETY: `ctx` is the primary context retained by `new` and not yet released.
@@ -580,6 +600,43 @@ impl Driver for CudaDriver {
 
     fn bind_thread(&self) -> DriverResult<()> {
         self.bind_context()
+    }
+
+    /// Makes the context current and the capture mode relaxed once for the batch, instead of a
+    /// `cuCtxGetCurrent` and two `cuThreadExchangeStreamCaptureMode` calls around every call
+    /// (`enter`, `relaxed`). If the context cannot be entered, no batch begins and each call
+    /// does its own set-up (and reports its failure), as outside a batch.
+    fn begin_batch(&self) -> Batch {
+        if BATCH.with(|b| b.get().is_some()) {
+            return Batch(false);
+        }
+        let Ok(scope) = self.enter(CallKind::MemInfo) else {
+            return Batch(false);
+        };
+        // `end_batch` pops what this pushed.
+        let pushed = scope.pushed;
+        std::mem::forget(scope);
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out pointer; the driver swaps the thread's mode into it.
+        let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
+            == sys::CUresult::CUDA_SUCCESS;
+        let open = OpenBatch { ctx: self.ctx.0, pushed, mode: swapped.then_some(mode) };
+        BATCH.with(|b| b.set(Some(open)));
+        Batch(true)
+    }
+
+    fn end_batch(&self, batch: Batch) {
+        if !batch.0 {
+            return;
+        }
+        let Some(open) = BATCH.with(|b| b.take()) else {
+            return;
+        };
+        if let Some(mut mode) = open.mode {
+            // SAFETY: as in `begin_batch`; this restores the thread's earlier mode.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+        drop(CtxScope { pushed: open.pushed });
     }
 
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
@@ -930,6 +987,63 @@ mod tests {
             d2.release_chunk(c).unwrap();
             d2.free_reservation(va, g).unwrap();
             assert_eq!(current_device(), Some(d2.device()));
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// The thread's capture mode, read by swapping it with itself.
+    fn capture_mode() -> sys::CUstreamCaptureMode {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+        // SAFETY: `mode` is a valid in/out pointer; the second swap puts the first's result back.
+        unsafe {
+            assert_eq!(
+                sys::cuThreadExchangeStreamCaptureMode(&mut mode),
+                sys::CUresult::CUDA_SUCCESS
+            );
+            let mut again = mode;
+            sys::cuThreadExchangeStreamCaptureMode(&mut again);
+        }
+        mode
+    }
+
+    #[test]
+    fn a_batch_sets_up_once_and_leaves_the_thread_as_it_found_it() {
+        let Some(d) = gpu() else { return };
+        let d = std::sync::Arc::new(d);
+        let d2 = d.clone();
+        std::thread::spawn(move || {
+            let global = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+            assert_eq!(capture_mode(), global, "the default mode");
+            assert!(current_device().is_none());
+            let g = d2.granularity();
+            let va = d2.reserve(g, 0).unwrap();
+            let batch = d2.begin_batch();
+            assert_eq!(batch, Batch(true));
+            assert_eq!(d2.begin_batch(), Batch(false), "a batch inside another does nothing");
+            assert_eq!(current_device(), Some(d2.device()), "current for the batch");
+            assert_eq!(capture_mode(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+            let c = d2.create_chunk(g).unwrap();
+            d2.map(va, g, c).unwrap();
+            d2.set_access(va, g).unwrap();
+            assert_eq!(
+                capture_mode(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+                "calls in the batch leave its mode alone"
+            );
+            d2.end_batch(batch);
+            assert!(current_device().is_none(), "the batch popped its context");
+            assert_eq!(capture_mode(), global, "and restored the mode");
+            d2.write(va, &[7; 64]).unwrap();
+            let mut got = [0u8; 64];
+            d2.read(va, &mut got).unwrap();
+            assert_eq!(got, [7; 64]);
+            crate::driver::batched(&*d2, || {
+                d2.unmap(va, g).unwrap();
+                d2.release_chunk(c).unwrap();
+            });
+            assert!(current_device().is_none());
+            d2.free_reservation(va, g).unwrap();
         })
         .join()
         .unwrap();

@@ -264,6 +264,18 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn bind_thread(&self) -> DriverResult<()> {
         Ok(())
     }
+    /// Starts a batch of calls on the calling thread (one plan's creates, maps and set access,
+    /// or an unmap batch's calls): set-up each call would otherwise repeat (the CUDA backend's
+    /// context and stream-capture mode) is done once here and undone by `end_batch`, which the
+    /// caller must call on the same thread with what this returned (`batched` does both). No
+    /// other code may run on the thread in between. A batch begun inside another does nothing.
+    fn begin_batch(&self) -> Batch {
+        Batch(false)
+    }
+    /// Ends a batch `begin_batch` began.
+    fn end_batch(&self, batch: Batch) {
+        let _ = batch;
+    }
     /// Unmaps `[va, va + size)`, which must consist of whole mappings.
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()>;
     /// Copies host bytes to accessible device memory (synchronous; for tests and tools).
@@ -293,6 +305,23 @@ pub trait Driver: Send + Sync + fmt::Debug {
         let _ = stream;
         Ok(None)
     }
+}
+
+/// Whether `Driver::begin_batch` began a batch (and `end_batch` must undo it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "a batch must be ended"]
+pub struct Batch(pub(crate) bool);
+
+/// Runs `f`, whose driver calls are all `driver`'s on this thread, as one batch of them.
+pub(crate) fn batched<R>(driver: &dyn Driver, f: impl FnOnce() -> R) -> R {
+    struct End<'a>(&'a dyn Driver, Batch);
+    impl Drop for End<'_> {
+        fn drop(&mut self) {
+            self.0.end_batch(self.1);
+        }
+    }
+    let _end = End(driver, driver.begin_batch());
+    f()
 }
 
 /// Counts of driver calls by kind.
@@ -522,6 +551,12 @@ impl<D: Driver> Driver for Instrumented<D> {
     }
     fn bind_thread(&self) -> DriverResult<()> {
         self.inner.bind_thread()
+    }
+    fn begin_batch(&self) -> Batch {
+        self.inner.begin_batch()
+    }
+    fn end_batch(&self, batch: Batch) {
+        self.inner.end_batch(batch)
     }
     fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
         self.enter(CallKind::Copy)?;
