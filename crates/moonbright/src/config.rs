@@ -85,9 +85,12 @@ pub struct Options {
     /// Smallest mapped window the background mapper keeps, in bytes.
     pub prefetch_window_min: u64,
     /// Largest mapped window, in bytes; 0 turns the window off (every new range maps on demand).
+    /// Fresh requests of `large_chunk_bytes` to `largest_chunk_bytes` get whole window chunks
+    /// of their size (docs/design.md, The background worker).
     pub prefetch_window_max: u64,
-    /// Most pages the background mapper maps into the window in one step: smaller steps keep
-    /// each step short, since the driver seems to serialise VMM calls across threads.
+    /// Most one-page chunks the background mapper maps into the window in one step: smaller
+    /// steps keep each step short, since the driver seems to serialise VMM calls across
+    /// threads. (A whole chunk for large requests is one step of its own.)
     pub window_refill_pages: u64,
     /// Place new ranges at addresses an unmap batch has freed (best fit) before fresh ones at the
     /// frontier. Both are mapped nowhere, so neither can have a stale translation. On an H200 the

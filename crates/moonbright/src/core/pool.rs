@@ -232,6 +232,23 @@ mod tests {
     }
 
     #[test]
+    fn takes_a_bare_chunk_of_exactly_the_size() {
+        let mut p = Pool::default();
+        let a = p.insert(ChunkHandle(1), 4);
+        let b = p.insert(ChunkHandle(2), 8);
+        let c = p.insert(ChunkHandle(3), 4);
+        for id in [a, b, c] {
+            p.put_bare(id);
+        }
+        assert_eq!(p.take_bare_of(5), None, "none of 5, though 8 would hold it");
+        let first = p.take_bare_of(4).unwrap();
+        assert!([a, c].contains(&first));
+        assert_eq!(p.take_bare_of(8), Some(b));
+        assert_eq!(p.bare_pages(), 4);
+        p.check().unwrap();
+    }
+
+    #[test]
     fn split_candidates_must_be_unmapped() {
         let mut p = Pool::default();
         let a = p.insert(ChunkHandle(1), 4);
