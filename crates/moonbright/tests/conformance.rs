@@ -518,6 +518,40 @@ fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
         a.free(p).unwrap();
     }
     a.check_invariants().unwrap();
+    a.release_unused().unwrap();
+    wait_full(&a);
+    // The mapper keeps the size while fresh requests are large: a window made again from
+    // nothing (`release_unused` retires it) is all whole chunks.
+    let big = a.malloc(large as usize).unwrap();
+    wait_full(&a);
+    let maps = calls(&a, CallKind::Map);
+    a.release_unused().unwrap();
+    wait_full(&a);
+    assert_eq!(calls(&a, CallKind::Map) - maps, window / large, "one map a chunk, new or bare");
+    // A one-page request maps a page of its own rather than take a whole chunk apart (memory
+    // to spare: the cap is twice the window)...
+    let tiny = a.malloc(page as usize).unwrap();
+    assert_eq!(a.stats().window_bytes.current, window, "no whole chunk was taken back");
+    // At the cap, a request takes a whole chunk back and splits it.
+    a.set_cap(a.stats().reserved_bytes.current).unwrap();
+    let squeeze = a.malloc(page as usize).unwrap();
+    assert_eq!(a.stats().window_bytes.current, window - large, "one whole chunk taken back");
+    stamp(&a, squeeze, page as usize, 9).unwrap();
+    stamp(&a, big, large as usize, 8).unwrap();
+    assert!(verify(&a, squeeze, page as usize, 9).unwrap());
+    assert!(verify(&a, big, large as usize, 8).unwrap());
+    a.free(squeeze).unwrap();
+    a.set_cap(2 * window).unwrap();
+    // ...and once fresh requests are small, the window is made of pages again.
+    wait_full(&a);
+    let maps = calls(&a, CallKind::Map);
+    a.release_unused().unwrap();
+    wait_full(&a);
+    assert_eq!(calls(&a, CallKind::Map) - maps, window / page);
+    for p in [big, tiny] {
+        a.free(p).unwrap();
+    }
+    a.check_invariants().unwrap();
 }
 
 /// A large need is created in chunks of the largest power of two it holds, up to

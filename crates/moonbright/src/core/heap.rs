@@ -969,8 +969,7 @@ impl Heap {
                 self.steal_cached(seq);
                 continue;
             }
-            if self.window.pages() > 0 {
-                self.steal_window(left);
+            if self.steal_window(left) {
                 continue;
             }
             // Chunks the stream itself gave back (a growable's shrink): stream order makes them
@@ -1013,6 +1012,15 @@ impl Heap {
             // Its chunks wait in the quarantine, where this stream takes them at once (above)
             // and others once its work has passed them.
             if self.break_up_own_pending(stream, left) {
+                continue;
+            }
+            // Whole window chunks larger than what is left come last, as they must be split
+            // (below): one, only when no new memory can be made and no bare chunk can be split
+            // instead.
+            if self.headroom() < left
+                && !self.pool.has_bare_larger_than(left)
+                && self.steal_window_whole()
+            {
                 continue;
             }
             break;
@@ -1299,17 +1307,30 @@ impl Heap {
         self.retire(range.va, len, range.chunks.into_vec());
     }
 
-    /// Takes pages back from the window's tail (up to `pages`, or one whole chunk): bare
-    /// chunks, retired addresses.
-    fn steal_window(&mut self, pages: u64) {
-        if let Some((va, got, chunks)) = self.window.take_tail(pages) {
-            let len = self.bytes(got);
-            self.stats.window_bytes.sub(len);
-            for &c in &chunks {
-                self.pool.put_bare(c);
-            }
-            self.retire(va, len, chunks);
+    /// Takes up to `pages` pages back from the window's tail (`Window::take_tail`): bare
+    /// chunks, retired addresses. Returns whether it took any.
+    fn steal_window(&mut self, pages: u64) -> bool {
+        let taken = self.window.take_tail(pages);
+        self.steal_from_window(taken)
+    }
+
+    /// Takes the window's smallest whole chunk back, whatever its size.
+    fn steal_window_whole(&mut self) -> bool {
+        let taken = self.window.take_smallest_whole();
+        self.steal_from_window(taken)
+    }
+
+    fn steal_from_window(&mut self, taken: Option<(u64, u64, Vec<ChunkId>)>) -> bool {
+        let Some((va, got, chunks)) = taken else {
+            return false;
+        };
+        let len = self.bytes(got);
+        self.stats.window_bytes.sub(len);
+        for &c in &chunks {
+            self.pool.put_bare(c);
         }
+        self.retire(va, len, chunks);
+        true
     }
 
     fn retire(&mut self, va: u64, len: u64, chunks: Vec<ChunkId>) {
@@ -1531,9 +1552,8 @@ impl Heap {
         while let Some((&seq, _)) = self.cached_lru.iter().next() {
             self.steal_cached(seq);
         }
-        while self.window.pages() > 0 {
-            self.steal_window(u64::MAX);
-        }
+        while self.steal_window(u64::MAX) {}
+        debug_assert_eq!(self.window.pages(), 0);
     }
 
     /// Takes out every bare chunk that is mapped nowhere, for release: a claim id (as a plan's)

@@ -106,9 +106,8 @@ impl Window {
             .min_by_key(|(i, w)| (w.pages, *i))
             .map(|(i, _)| i);
         if let Some(i) = whole {
-            let w = self.wholes.remove(i);
-            self.pages -= w.pages;
-            return Some((w.va, w.pages, Chunks::from(vec![w.id])));
+            let (va, pages, ids) = self.remove_whole(i);
+            return Some((va, pages, Chunks::from(ids)));
         }
         let i = self.segments.iter().position(|s| s.len() as u64 >= n)?;
         let seg = &mut self.segments[i];
@@ -125,20 +124,16 @@ impl Window {
     }
 
     /// Takes pages back for other uses: up to `n` from the tail of the last segment that has
-    /// any; with no page left in segments, a whole chunk (the largest of at most `n` pages, else
-    /// the smallest). (address, pages, chunks in address order).
+    /// any; with no page left in segments, the largest whole chunk of at most `n` pages.
+    /// (address, pages, chunks in address order).
     pub fn take_tail(&mut self, n: u64) -> Option<Taken<Vec<ChunkId>>> {
         self.drop_empty();
         let Some(seg) = self.segments.back_mut() else {
-            let fits = |w: &&Whole| w.pages <= n;
             let i = (self.wholes.iter().enumerate())
-                .filter(|(_, w)| fits(w))
-                .max_by_key(|(_, w)| w.pages)
-                .or_else(|| self.wholes.iter().enumerate().min_by_key(|(_, w)| w.pages))?
+                .filter(|(_, w)| w.pages <= n)
+                .max_by_key(|(_, w)| w.pages)?
                 .0;
-            let w = self.wholes.remove(i);
-            self.pages -= w.pages;
-            return Some((w.va, w.pages, vec![w.id]));
+            return Some(self.remove_whole(i));
         };
         let k = (n as usize).min(seg.len());
         let keep = seg.len() - k;
@@ -150,6 +145,18 @@ impl Window {
         }
         self.pages -= k as u64;
         Some((va, k as u64, chunks))
+    }
+
+    /// Takes back the smallest whole chunk, whatever its size (for a need it is larger than).
+    pub fn take_smallest_whole(&mut self) -> Option<Taken<Vec<ChunkId>>> {
+        let i = self.wholes.iter().enumerate().min_by_key(|(_, w)| w.pages)?.0;
+        Some(self.remove_whole(i))
+    }
+
+    fn remove_whole(&mut self, i: usize) -> Taken<Vec<ChunkId>> {
+        let w = self.wholes.remove(i);
+        self.pages -= w.pages;
+        (w.va, w.pages, vec![w.id])
     }
 
     /// Forgets the segments `take` emptied (the mapper's work, not a request's).
@@ -311,10 +318,11 @@ mod tests {
         w.add_whole(200, 11, 128);
         w.add(0, vec![1, 2]);
         assert_eq!(w.take_tail(8), Some((0, 2, vec![1, 2])), "pages first");
-        assert_eq!(w.take_tail(8), Some((100, 64, vec![10])), "then the smallest whole");
+        assert_eq!(w.take_tail(8), None, "no whole chunk of at most 8 pages");
         w.add_whole(300, 12, 64);
         assert_eq!(w.take_tail(200), Some((200, 128, vec![11])), "the largest that fits");
+        assert_eq!(w.take_smallest_whole(), Some((100, 64, vec![10])), "the smallest, oldest");
         assert_eq!(w.drain(), vec![(300, 64, vec![12])]);
-        assert_eq!((w.pages(), w.take_tail(1)), (0, None));
+        assert_eq!((w.pages(), w.take_tail(1), w.take_smallest_whole()), (0, None, None));
     }
 }
