@@ -554,6 +554,54 @@ fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
     a.check_invariants().unwrap();
 }
 
+/// A whole window chunk whose create or set access fails leaves nothing behind: the failure is
+/// recorded for the user, and the mapper makes the chunk again at a later tick.
+fn a_failed_whole_window_refill_is_recorded_and_retried(opts: Options) {
+    let max = opts.max_chunk_bytes;
+    let large = 4 * max;
+    let window = 2 * large;
+    let o = Options {
+        background: true,
+        large_chunk_bytes: large,
+        largest_chunk_bytes: 8 * max,
+        prefetch_window_min: window,
+        prefetch_window_max: window,
+        cap_bytes: Some(4 * window),
+        cap_fraction: 1.0,
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let wait_full = |a: &Allocator| {
+        let t = std::time::Instant::now();
+        while a.stats().window_bytes.current != window {
+            assert!(t.elapsed().as_secs() < 20, "the window did not fill");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    wait_full(&a);
+    let mut live = Vec::new();
+    for kind in [CallKind::Create, CallKind::SetAccess] {
+        // The hit makes no such call: the next is the mapper's, for the whole chunk.
+        a.driver().fail_nth(kind, 1, None);
+        let maps = a.stats().driver_calls.get(CallKind::Map);
+        live.push(a.malloc(large as usize).unwrap());
+        wait_full(&a);
+        let e = a.take_deferred_error().expect("the failed refill is recorded");
+        assert_eq!(e.call, kind);
+        // One map for the chunk made again (and one for the attempt whose set access failed):
+        // whole chunks both times, not pages.
+        let tries = if kind == CallKind::Create { 1 } else { 2 };
+        assert_eq!(a.stats().driver_calls.get(CallKind::Map) - maps, tries);
+        a.check_invariants().unwrap();
+    }
+    for (i, &p) in live.iter().enumerate() {
+        stamp(&a, p, large as usize, i as u64).unwrap();
+        assert!(verify(&a, p, large as usize, i as u64).unwrap());
+        a.free(p).unwrap();
+    }
+    a.driver().clear_failures();
+}
+
 /// A large need is created in chunks of the largest power of two it holds, up to
 /// `largest_chunk` (at most two handles below that); a split of such a chunk cuts what is left
 /// the same way, so the next large request stitches two spares, not one chunk per `max_chunk`.
@@ -707,6 +755,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::large_fresh_requests_get_whole_window_chunks(o)
+                }
+            }
+            #[test]
+            fn a_failed_whole_window_refill_is_recorded_and_retried() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::a_failed_whole_window_refill_is_recorded_and_retried(o)
                 }
             }
             #[test]
