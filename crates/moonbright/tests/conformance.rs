@@ -451,34 +451,43 @@ fn large_needs_use_large_chunks(opts: Options) {
     }
 }
 
-/// Large fresh requests get whole window chunks of their size: once the mapper has seen one,
-/// it refills the window with one chunk (one create, one set access) where it would map a
-/// chunk per page, a hit of that size hands over that one chunk, smaller requests still take
-/// one-page chunks, and memory pressure takes whole chunks back like pages.
-fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
+/// An allocator with the worker on, large chunks from four `max_chunk` (up to eight), and a
+/// window of `larges` large chunks kept at all times; the cap `cap_windows` windows. Returns it
+/// with the large-chunk size and the window's.
+fn whole_window_allocator(opts: Options, larges: u64, cap_windows: u64) -> (Allocator, u64, u64) {
     let max = opts.max_chunk_bytes;
     let large = 4 * max;
-    let window = 4 * large;
+    let window = larges * large;
     let o = Options {
         background: true,
         large_chunk_bytes: large,
         largest_chunk_bytes: 8 * max,
         prefetch_window_min: window,
         prefetch_window_max: window,
-        cap_bytes: Some(2 * window),
+        cap_bytes: Some(cap_windows * window),
         cap_fraction: 1.0,
         ..opts
     };
-    let a = Allocator::new(o).unwrap();
+    (Allocator::new(o).unwrap(), large, window)
+}
+
+/// Waits (at most 20 s) until the window holds `bytes`.
+fn wait_window(a: &Allocator, bytes: u64) {
+    let t = std::time::Instant::now();
+    while a.stats().window_bytes.current != bytes {
+        assert!(t.elapsed().as_secs() < 20, "the window did not fill");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Large fresh requests get whole window chunks of their size: once the mapper has seen one,
+/// it refills the window with one chunk (one create, one set access) where it would map a
+/// chunk per page, a hit of that size hands over that one chunk, smaller requests still take
+/// one-page chunks, and memory pressure takes whole chunks back like pages.
+fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
+    let (a, large, window) = whole_window_allocator(opts, 4, 2);
     let page = a.page_size() as u64;
-    let full = |a: &Allocator| a.stats().window_bytes.current == window;
-    let wait_full = |a: &Allocator| {
-        let t = std::time::Instant::now();
-        while !full(a) {
-            assert!(t.elapsed().as_secs() < 20, "the window did not fill");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    };
+    let wait_full = |a: &Allocator| wait_window(a, window);
     let calls = |a: &Allocator, k| a.stats().driver_calls.get(k);
     let chunks_at =
         |a: &Allocator, p: u64| a.segments().iter().find(|s| s.addr == p).unwrap().chunks;
@@ -557,27 +566,8 @@ fn large_fresh_requests_get_whole_window_chunks(opts: Options) {
 /// A whole window chunk whose create or set access fails leaves nothing behind: the failure is
 /// recorded for the user, and the mapper makes the chunk again at a later tick.
 fn a_failed_whole_window_refill_is_recorded_and_retried(opts: Options) {
-    let max = opts.max_chunk_bytes;
-    let large = 4 * max;
-    let window = 2 * large;
-    let o = Options {
-        background: true,
-        large_chunk_bytes: large,
-        largest_chunk_bytes: 8 * max,
-        prefetch_window_min: window,
-        prefetch_window_max: window,
-        cap_bytes: Some(4 * window),
-        cap_fraction: 1.0,
-        ..opts
-    };
-    let a = Allocator::new(o).unwrap();
-    let wait_full = |a: &Allocator| {
-        let t = std::time::Instant::now();
-        while a.stats().window_bytes.current != window {
-            assert!(t.elapsed().as_secs() < 20, "the window did not fill");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    };
+    let (a, large, window) = whole_window_allocator(opts, 2, 4);
+    let wait_full = |a: &Allocator| wait_window(a, window);
     wait_full(&a);
     let mut live = Vec::new();
     for kind in [CallKind::Create, CallKind::SetAccess] {
