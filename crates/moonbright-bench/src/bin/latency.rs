@@ -37,6 +37,14 @@ struct Args {
     /// instead of the third and later hits of runs.
     #[arg(long)]
     window_idle: bool,
+    /// Only these sizes, in bytes, comma-separated (each one of the six; default: all).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<u64>,
+    /// Also write each timed repetition's alloc time into the JSON (`alloc_samples_us`, rounds
+    /// one after another in the order measured: for window hits at 8 GiB, the third and fourth
+    /// of each run alternate).
+    #[arg(long)]
+    samples: bool,
 }
 
 const SIZES: [u64; 6] = [256, 64 * KIB, 2 * MIB, 64 * MIB, GIB, 8 * GIB];
@@ -169,6 +177,9 @@ struct Row {
     /// The alloc's time outside timed virtual-memory calls (reserve, create, map, set access,
     /// unmap, release), for paths that time them: the allocator's own work and other calls.
     alloc_outside_vmm_us: Option<Summary>,
+    /// With `--samples`: each timed repetition's alloc, in microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    alloc_samples_us: Option<Vec<f64>>,
     /// Each timed repetition's alloc, free and alloc outside VMM calls, for merging rounds.
     #[serde(skip)]
     samples: (Vec<f64>, Vec<f64>, Vec<f64>),
@@ -290,6 +301,7 @@ fn measure(gpu: &Gpu, kind: PathKind, size: u64, quick: bool, window_idle: bool)
         vmm_us_per_rep,
         rounds: 1,
         alloc_outside_vmm_us: None,
+        alloc_samples_us: None,
         samples: (a, f, outside),
     };
     row.summarise();
@@ -602,8 +614,13 @@ fn run() -> Res<()> {
             "; window hits: the third and later of runs of fresh requests"
         }
     );
+    if let Some(s) = args.sizes.iter().find(|s| !SIZES.contains(s)) {
+        return Err(format!("--sizes: {s} is not one of {SIZES:?}"));
+    }
+    let sizes: Vec<u64> =
+        SIZES.into_iter().filter(|s| args.sizes.is_empty() || args.sizes.contains(s)).collect();
     let mut rows: Vec<Row> = vec![];
-    for &size in &SIZES {
+    for &size in &sizes {
         for round in 0..ROUNDS {
             for &k in &PATHS {
                 if !k.applies(size) || (round > 0 && !k.interleaved()) {
@@ -628,6 +645,11 @@ fn run() -> Res<()> {
                     None => rows.push(row),
                 }
             }
+        }
+    }
+    if args.samples {
+        for r in &mut rows {
+            r.alloc_samples_us = Some(r.samples.0.clone());
         }
     }
     println!("\n== alloc+free latency");
