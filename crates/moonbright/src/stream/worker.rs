@@ -1,7 +1,7 @@
 //! The background worker: records events for stream frees and polls them, unmaps retired ranges
 //! in batches (away from the mapping of new ranges, which is what keeps running kernels
-//! undisturbed), keeps the mapped window filled to a size taken from recent demand, and keeps a
-//! stock of events created for frees.
+//! undisturbed), keeps the mapped window filled to a size taken from recent demand, keeps a
+//! stock of events created for frees, and grows the heap's tables ahead of requests.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -97,7 +97,8 @@ impl Worker {
         }
         shared.stock_events(EVENT_STOCK);
         let (pending, unmap_due) = {
-            let heap = shared.heap();
+            let mut heap = shared.heap();
+            heap.grow_tables_ahead();
             (heap.has_pending_frees(), heap.unmap_due())
         };
         if busy || unmap_due {
