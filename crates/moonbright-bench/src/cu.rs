@@ -90,8 +90,7 @@ pub struct Gpu {
 impl Gpu {
     /// Opens device 0, or says clearly why there is no GPU to open.
     pub fn open() -> Res<Gpu> {
-        // SAFETY: only tries to dlopen libcuda and drops it again.
-        if !unsafe { sys::is_culib_present() } {
+        if !moonbright::libs::libcuda_present() {
             return Err(
                 "no GPU: libcuda not found (no NVIDIA driver here); these benchmarks need \
                         a CUDA GPU"

@@ -20,6 +20,7 @@ pub mod config;
 pub mod core;
 pub mod driver;
 mod error;
+pub mod libs;
 pub mod nvrtc;
 pub mod paged;
 pub mod scenario;

@@ -6,8 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Compiles `src` (named `name` in NVRTC's messages) with NVRTC's `options` to PTX.
 pub fn compile_ptx(src: &str, name: &str, options: Vec<String>) -> Result<String, String> {
-    // SAFETY: only tries to dlopen libnvrtc under each candidate name and drops it again.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !crate::libs::libnvrtc_present() {
         let mut names = cudarc::get_lib_name_candidates("nvrtc");
         names.sort();
         names.dedup();

@@ -92,8 +92,7 @@ fn relaxed<T>(call: impl FnOnce() -> T) -> T {
 /// The names among `symbols` that libcuda lacks (all of them when there is no libcuda): cudarc
 /// resolves each symbol at its first call and panics if it is missing, so callers check first.
 pub fn missing_symbols<'a>(symbols: &[&'a str]) -> Vec<&'a str> {
-    // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
-    if !unsafe { sys::is_culib_present() } {
+    if !crate::libs::libcuda_present() {
         return symbols.to_vec();
     }
     symbols
@@ -145,8 +144,7 @@ fn check(kind: CallKind, result: sys::CUresult, call: impl FnOnce() -> String) -
 /// not. Never panics.
 pub fn probe() -> Result<i32, String> {
     let outcome = catch_unwind(|| {
-        // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
-        if !unsafe { sys::is_culib_present() } {
+        if !crate::libs::libcuda_present() {
             return Err(no_libcuda());
         }
         // SAFETY: cuInit takes flags by value; the library is present (checked above).
@@ -235,8 +233,7 @@ fn current_context(kind: CallKind) -> DriverResult<sys::CUcontext> {
 /// device a CUDA runtime user (PyTorch's `torch.cuda.current_device()`) has selected on this
 /// thread. `None` without libcuda, before `cuInit`, or with no current context. Never panics.
 pub fn current_device() -> Option<i32> {
-    // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again.
-    if !unsafe { sys::is_culib_present() }
+    if !crate::libs::libcuda_present()
         || !missing_symbols(&["cuCtxGetCurrent", "cuCtxGetDevice"]).is_empty()
     {
         return None;
@@ -302,9 +299,8 @@ impl CudaDriver {
     /// before any memory call carry [`CallKind::MemInfo`] (the contract has no set-up kind).
     pub fn new(device_ordinal: i32) -> DriverResult<Self> {
         let setup = |code: i32, message: String| DriverError::new(CallKind::MemInfo, code, message);
-        // SAFETY: `is_culib_present` only tries to `dlopen` the library and drops it again. It
-        // runs before any other cudarc call, each of which would panic without the library.
-        if !unsafe { sys::is_culib_present() } {
+        // Checked before any other cudarc call, each of which would panic without the library.
+        if !crate::libs::libcuda_present() {
             return Err(setup(code::NOT_INITIALIZED, no_libcuda()));
         }
         match catch_unwind(AssertUnwindSafe(|| Self::open(device_ordinal))) {

@@ -460,8 +460,7 @@ mod tests {
     /// installs PyPI's nvidia-cuda-nvrtc for it), else says why it skips.
     #[test]
     fn kernels_compile_with_nvrtc() {
-        // SAFETY: only tries to dlopen libnvrtc and drops it again.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        if !crate::libs::libnvrtc_present() {
             println!("skipping: no libnvrtc on the loader path (scripts/test.sh provides one)");
             return;
         }
