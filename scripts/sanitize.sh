@@ -14,8 +14,9 @@
 #
 # The C example (it links the library into a C program built without the sanitizer) and the
 # header check are not run here; scripts/test.sh runs them. Leaks inside NVIDIA's libnvrtc are
-# suppressed (scripts/lsan.supp). If the toolchain cannot be
-# installed, the script says so and exits 0 (the tests then ran only without sanitizers).
+# suppressed (scripts/lsan.supp); LeakSanitizer can name it only because MoonBright never
+# unloads it (src/libs.rs). If the toolchain cannot be installed, the script says so and exits 0
+# (the tests then ran only without sanitizers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nightly=nightly-2026-10-30
