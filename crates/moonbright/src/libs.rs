@@ -1,7 +1,8 @@
 //! Whether NVIDIA's libraries that cudarc loads at run time (libcuda, libnvrtc) are on the
-//! loader path: the one place that asks. Each is looked for once per process, and a library
-//! found stays loaded for the life of the process (`RTLD_NODELETE`), as cudarc's own handle
-//! keeps it once a call is made.
+//! loader path: the one place that asks. A library found stays loaded for the life of the
+//! process (`RTLD_NODELETE`), as cudarc's own handle keeps it once a call is made, and is not
+//! looked for again. One not found is looked for again on the next check (a check that fails
+//! is an error path, and the process may have loaded the library since, by another name).
 //!
 //! cudarc's `is_culib_present` loads and unloads the library on every call instead. What
 //! libnvrtc's initialisers allocate in a copy that is then unloaded is lost, and LeakSanitizer
@@ -27,19 +28,31 @@ fn load_and_keep(names: &[String]) -> bool {
     })
 }
 
+/// Whether one of `libs` is loaded, or can be and now is; `found` remembers a success.
+fn present(found: &OnceLock<()>, libs: &[&str]) -> bool {
+    if found.get().is_some() {
+        return true;
+    }
+    let loaded = load_and_keep(&candidates(libs));
+    if loaded {
+        let _ = found.set(());
+    }
+    loaded
+}
+
 /// Whether libcuda (the NVIDIA driver's library) can be loaded. Never panics.
 pub fn libcuda_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| load_and_keep(&candidates(&["cuda", "nvcuda"])))
+    static FOUND: OnceLock<()> = OnceLock::new();
+    present(&FOUND, &["cuda", "nvcuda"])
 }
 
 /// Whether libnvrtc (CUDA's run-time compiler) can be loaded. Never panics.
 pub fn libnvrtc_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| load_and_keep(&candidates(&["nvrtc"])))
+    static FOUND: OnceLock<()> = OnceLock::new();
+    present(&FOUND, &["nvrtc"])
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom), not(miri)))]
 mod tests {
     use super::*;
     use libloading::os::unix::Library;
@@ -51,21 +64,26 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_library_is_absent_and_asking_again_agrees() {
-        assert!(!load_and_keep(&candidates(&["moonbright_no_such_library"])));
+    fn a_missing_library_is_absent_and_looked_for_again() {
+        let found = OnceLock::new();
+        assert!(!present(&found, &["moonbright_no_such_library"]));
+        assert!(found.get().is_none(), "an absent library must not be remembered as found");
         assert_eq!(libcuda_present(), libcuda_present());
         assert_eq!(libnvrtc_present(), libnvrtc_present());
     }
 
     #[test]
-    fn a_library_found_stays_loaded_after_the_check() {
-        // glibc's libthread_db: on the loader path wherever glibc is, loaded by no test.
-        let name = "libthread_db.so.1".to_string();
-        if loaded(&name) {
+    fn a_library_found_stays_loaded_and_is_remembered() {
+        // glibc's libthread_db, under a name cudarc tries (`lib<name>.so.1`): on the loader
+        // path wherever glibc is, and loaded by no test.
+        let name = "libthread_db.so.1";
+        if loaded(name) {
             println!("skipping: {name} is already loaded in this process");
             return;
         }
-        assert!(load_and_keep(std::slice::from_ref(&name)), "{name} did not load");
-        assert!(loaded(&name), "{name} was unloaded when the check's handle dropped");
+        let found = OnceLock::new();
+        assert!(present(&found, &["thread_db"]), "{name} did not load");
+        assert!(found.get().is_some(), "a library found must be remembered");
+        assert!(loaded(name), "{name} was unloaded when the check's handle dropped");
     }
 }
