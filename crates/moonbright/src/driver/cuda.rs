@@ -233,9 +233,8 @@ fn current_context(kind: CallKind) -> DriverResult<sys::CUcontext> {
 /// device a CUDA runtime user (PyTorch's `torch.cuda.current_device()`) has selected on this
 /// thread. `None` without libcuda, before `cuInit`, or with no current context. Never panics.
 pub fn current_device() -> Option<i32> {
-    if !crate::libs::libcuda_present()
-        || !missing_symbols(&["cuCtxGetCurrent", "cuCtxGetDevice"]).is_empty()
-    {
+    // Without libcuda, every symbol is missing.
+    if !missing_symbols(&["cuCtxGetCurrent", "cuCtxGetDevice"]).is_empty() {
         return None;
     }
     catch_unwind(|| {
