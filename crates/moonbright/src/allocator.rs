@@ -246,8 +246,10 @@ impl Allocator {
         &self.shared
     }
 
-    /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up). The
-    /// caller orders its use (as with `cudaMalloc`); see `malloc_async` for stream order.
+    /// Allocates `size` bytes, aligned to at least 256 bytes (to the page from a page up), as
+    /// `cudaMalloc` does: memory that no stream's queued work still uses (never a free still
+    /// pending on a stream, the null stream's included), for the caller to order its use; see
+    /// `malloc_async` for stream order.
     pub fn malloc(&self, size: usize) -> Result<DevicePtr> {
         self.shared.malloc(size as u64, None)
     }

@@ -75,6 +75,27 @@ fn the_freeing_stream_reuses_at_once_others_wait_for_the_event() {
 }
 
 #[test]
+fn malloc_never_takes_a_free_pending_on_any_stream_the_null_stream_included() {
+    let a = Allocator::new(opts(false)).unwrap();
+    let s = streams(&a, 1)[0];
+    for stream in [StreamHandle::DEFAULT, s] {
+        host(&a).hold_stream(stream);
+        for size in [1000, 3 * PAGE] {
+            let p = a.malloc_async(size, stream).unwrap();
+            a.free_async(p, stream).unwrap();
+            // `cudaMalloc`'s memory may be used on any stream at once, a non-blocking one too,
+            // which is not ordered after the null stream's queued work.
+            let q = a.malloc(size).unwrap();
+            assert_ne!(q, p, "malloc took a free pending on {stream:?}");
+            a.free(q).unwrap();
+            assert_eq!(a.malloc_async(size, stream).unwrap(), p, "the stream itself reuses it");
+            a.free_async(p, stream).unwrap();
+        }
+        host(&a).release_stream(stream);
+    }
+}
+
+#[test]
 fn a_completed_free_found_by_the_requests_own_poll_is_a_cache_hit() {
     let a = Allocator::new(opts(false)).unwrap();
     let s = streams(&a, 2);

@@ -24,9 +24,10 @@ fn thread_token() -> u64 {
     TOKEN.with(|t| *t)
 }
 
-/// The heap's stream for a pool's new blocks: no real stream, so that they come only from
-/// memory no stream's pending work uses (the graph's replays are ordered with no stream's).
-pub(super) const GRAPH_STREAM: u64 = u64::MAX;
+/// The heap's stream for requests on no stream (`malloc`, and a pool's new blocks): no real
+/// stream, so that they come only from memory no stream's pending work uses (`cudaMalloc`'s
+/// promise; a graph's replays are ordered with no stream's work).
+pub(super) const NO_STREAM: u64 = u64::MAX;
 
 impl Shared {
     /// Notes that the capture in progress on `stream` allocates into graph pool `pool`: until
@@ -116,7 +117,7 @@ impl Shared {
         if let Some(ptr) = reused {
             return Ok(ptr);
         }
-        let ptr = self.malloc_on(size, GRAPH_STREAM)?;
+        let ptr = self.malloc_on(size, NO_STREAM)?;
         let usable = self.heap().usable_size(ptr).unwrap_or(size);
         self.with_graphs(|g| g.adopt(pool, ptr, usable));
         Ok(ptr)
@@ -155,7 +156,7 @@ impl Shared {
 
     /// Memory no stream's queued work may still use, kept by the caller for a graph.
     pub fn malloc_for_graph(&self, size: u64) -> Result<DevicePtr> {
-        self.malloc_on(size, GRAPH_STREAM)
+        self.malloc_on(size, NO_STREAM)
     }
 
     /// Blocks and bytes graph pools hold free for their graphs.
@@ -187,7 +188,7 @@ impl Shared {
             None => Err(Error::StreamCapture { stream: stream.0 }),
             Some((_, Some(ptr))) => Ok(ptr),
             Some((pool, None)) => {
-                let ptr = self.malloc_on(size, GRAPH_STREAM)?;
+                let ptr = self.malloc_on(size, NO_STREAM)?;
                 let usable = self.heap().usable_size(ptr).unwrap_or(size);
                 self.with_graphs(|g| g.adopt(pool, ptr, usable));
                 Ok(ptr)

@@ -235,7 +235,8 @@ impl Shared {
 
     // ---- requests -------------------------------------------------------------------------------
 
-    /// Allocates for `stream` (`None`: the caller orders everything itself, no capture check).
+    /// Allocates for `stream` (`None`: memory no stream's queued work uses, ordered by the
+    /// caller, no capture check).
     /// On a stream being captured into a graph, from the capture's graph pool; on a thread
     /// routed into a graph pool, from that pool (`graphs.rs`).
     pub fn malloc(&self, size: u64, stream: Option<StreamHandle>) -> Result<DevicePtr> {
@@ -246,7 +247,10 @@ impl Shared {
                 }
                 s.0
             }
-            None => 0,
+            // No stream: memory that no stream's queued work still uses, as `cudaMalloc`'s is,
+            // never a free still pending on the null stream (a non-blocking stream is not
+            // ordered after the null stream's work).
+            None => graphs::NO_STREAM,
         };
         if let Some(pool) = self.routed_pool() {
             return self.malloc_routed(size, s, pool);
