@@ -12,19 +12,18 @@ mod paged;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
 use moonbright::conf;
 use moonbright::core::history::BlockState;
+use moonbright::devices::Devices;
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
 
-/// Devices served (CUDA ordinals below this).
-const MAX_DEVICES: usize = 64;
-
-static ALLOCATORS: [OnceLock<Allocator>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+/// One allocator per device, created at first use.
+static DEVICES: Devices = Devices::new();
 
 /// Configuration for allocators not created yet; taken under this lock when one is created.
 struct Config {
@@ -60,60 +59,31 @@ fn base_options(cfg: &Config) -> Result<Options, Error> {
 }
 
 fn device_index(device: i32) -> Result<usize, String> {
-    if device < 0 || device as usize >= MAX_DEVICES {
-        return Err(format!("device {device} is not in 0..{MAX_DEVICES}"));
-    }
-    Ok(device as usize)
+    Devices::index(device)
 }
 
-/// The allocator of `device`, created on first use.
+/// The allocator of `device`, created on first use (with `configure`'s options, else
+/// `MOONBRIGHT_ALLOC_CONF`'s) and peered with the others (`Devices::get_or_create`).
 fn allocator(device: i32) -> Result<&'static Allocator, String> {
-    let i = device_index(device)?;
-    if let Some(a) = ALLOCATORS[i].get() {
+    if let Some(a) = DEVICES.get(device) {
         return Ok(a);
     }
+    // Held across the creation, so that `configure` cannot change the options in between.
     let cfg = lock(&CONFIG);
-    if let Some(a) = ALLOCATORS[i].get() {
-        return Ok(a);
-    }
-    let mut opts = base_options(&cfg).map_err(|e| format!("{}: {e}", conf::ENV_VAR))?;
-    opts.device = device;
-    let a = Allocator::new(opts).map_err(|e| format!("cannot create the allocator: {e}"))?;
-    if let Some(n) = cfg.history {
-        a.record_history(Some(n));
-    }
-    let _ = ALLOCATORS[i].set(a);
-    let a = ALLOCATORS[i].get().expect("just set");
-    peer_with_the_others(i, a);
-    Ok(a)
-}
-
-/// Makes a new allocator's GPU and every other GPU this process allocates on peers both ways,
-/// so that copies between them (`tensor.to("cuda:1")`) and kernels reading a peer's memory work
-/// as with `cudaMalloc`'s memory. A process on one GPU has no peers and pays nothing; with
-/// several, each later mapping sets access for each of them. A pair that cannot reach each
-/// other peer to peer is left alone (its message goes to `last_error`): the CUDA runtime copies
-/// between such GPUs through the host. Option `peer_access:false` turns this off for the
-/// allocators that have it.
-fn peer_with_the_others(i: usize, a: &'static Allocator) {
-    // All of them are made from the same options (`configure`, `MOONBRIGHT_ALLOC_CONF`).
-    if a.device().is_none() || !a.options().peer_access {
-        return;
-    }
-    for (j, other) in created().filter(|&(j, o)| j != i && o.device().is_some()) {
-        for (x, peer) in [(a, j as i32), (other, i as i32)] {
-            if let Err(e) = x.enable_peer_access(peer) {
-                set_last_error(
-                    format!("device {peer} cannot access device {:?}: {e}", x.device()),
-                    false,
-                );
-            }
+    let create = || {
+        let mut opts = base_options(&cfg).map_err(|e| format!("{}: {e}", conf::ENV_VAR))?;
+        opts.device = device;
+        let a = Allocator::new(opts).map_err(|e| format!("cannot create the allocator: {e}"))?;
+        if let Some(n) = cfg.history {
+            a.record_history(Some(n));
         }
-    }
+        Ok(a)
+    };
+    DEVICES.get_or_create(device, create, |msg| set_last_error(msg, false))
 }
 
 fn created() -> impl Iterator<Item = (usize, &'static Allocator)> {
-    ALLOCATORS.iter().enumerate().filter_map(|(i, a)| a.get().map(|a| (i, a)))
+    DEVICES.created()
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -378,8 +348,8 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
 #[pyo3(signature = (device=None))]
 fn options(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
     let d = default_device(device)?;
-    let i = device_index(d).map_err(py_err)?;
-    if let Some(a) = ALLOCATORS[i].get() {
+    device_index(d).map_err(py_err)?;
+    if let Some(a) = DEVICES.get(d) {
         return options_dict(py, a.options());
     }
     let cfg = lock(&CONFIG);
@@ -393,7 +363,7 @@ fn options(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
 #[pyo3(signature = (device=None))]
 fn is_initialized(device: Option<i32>) -> PyResult<bool> {
     let i = device_index(default_device(device)?).map_err(py_err)?;
-    Ok(ALLOCATORS[i].get().is_some())
+    Ok(DEVICES.get(i as i32).is_some())
 }
 
 /// The backend of `device`'s allocator: "cuda" or "host" (creates it).

@@ -18,6 +18,7 @@ pub mod baseline;
 pub mod conf;
 pub mod config;
 pub mod core;
+pub mod devices;
 pub mod driver;
 mod error;
 pub mod libs;
