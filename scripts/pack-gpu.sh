@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine (no Rust toolchain, no network) runs, and copies it into
 # carry/ (ignored by git): the release test binaries and the `moonbright` command (carry/bin),
-# the benchmark binaries (bench/pack.sh), and the abi3 wheel (carry/wheel).
+# the benchmark binaries (bench/pack.sh), the LD_PRELOAD interposer (carry/lib), and the abi3
+# wheel (carry/wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p carry/bin carry/wheel
-cargo build --release -p moonbright-cli
+mkdir -p carry/bin carry/lib carry/wheel
+cargo build --release -p moonbright-cli -p moonbright-preload
 cp target/release/moonbright carry/bin/
+cp target/release/libmoonbright_preload.so carry/lib/
 cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json, shutil
 names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams",
@@ -20,4 +22,5 @@ bash bench/pack.sh >/dev/null
 rm -f carry/wheel/*.whl
 python3 -m maturin build --release --out carry/wheel >/dev/null
 strip carry/bin/* 2>/dev/null || true
-du -sh carry; ls carry/bin carry/wheel
+strip --strip-unneeded carry/lib/*.so 2>/dev/null || true
+du -sh carry; ls carry/bin carry/lib carry/wheel

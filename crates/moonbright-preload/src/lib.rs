@@ -1,0 +1,410 @@
+//! `libmoonbright_preload.so`: MoonBright under an unmodified CUDA program.
+//!
+//! ```text
+//! LD_PRELOAD=libmoonbright_preload.so ./program
+//! ```
+//!
+//! It defines the CUDA runtime's `cudaMalloc`, `cudaFree`, `cudaMallocAsync` and
+//! `cudaFreeAsync` (and the `_ptsz` forms that `--default-stream per-thread` builds call), and
+//! the program's calls reach these before libcudart's, wherever libcudart is loaded from, as
+//! long as it is loaded as a shared library (a program linked with the static runtime is not
+//! reached). Each device's allocations come from a process-wide MoonBright allocator
+//! (`moonbright::devices`), made at the first call on that device with the options of
+//! `MOONBRIGHT_ALLOC_CONF`. Everything else passes to the runtime:
+//!
+//! - `cudaFree(NULL)` (the idiom that creates the context), zero-byte requests, and frees of
+//!   pointers that MoonBright did not hand out (the runtime reports those it does not know);
+//! - every call on a device whose allocator cannot be made (bad options, no virtual-memory
+//!   support): said once on stderr, and the program goes on with the runtime's memory.
+//!
+//! Semantics are the runtime's: `cudaMalloc` returns memory no stream's queued work still uses;
+//! `cudaFree` waits for the device, as the runtime's does, then frees;
+//! `cudaMallocAsync`/`cudaFreeAsync` are stream-ordered (MoonBright's `malloc_async` and
+//! `free_async`). Errors come back as `cudaError_t` (out of memory: `cudaErrorMemoryAllocation`)
+//! with MoonBright's message kept for `moonbright_preload_last_error`; no call panics across.
+//! Not interposed: IPC handles (`cudaIpcGetMemHandle` fails on virtual-memory allocations),
+//! `cudaMemGetInfo` (memory MoonBright holds free counts as used), the pitched, 3D, managed
+//! and pool allocation calls (they go to the runtime, and so do their frees).
+
+mod runtime;
+
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use moonbright::devices::{Devices, MAX_DEVICES};
+use moonbright::{conf, Allocator, BackendKind, Error, Options, StreamHandle};
+
+pub use runtime::{code, Real, Runtime};
+
+/// `CU_STREAM_PER_THREAD`: what the null stream means in a `_ptsz` call.
+const PER_THREAD_STREAM: u64 = 2;
+
+/// Calls served and passed on, for `moonbright_preload_report`.
+#[derive(Default)]
+pub struct Counts {
+    pub served_allocs: AtomicU64,
+    pub served_frees: AtomicU64,
+    pub passed_allocs: AtomicU64,
+    pub passed_frees: AtomicU64,
+    /// `cudaFree`s of MoonBright's memory, each after a device synchronisation.
+    pub synchronous_frees: AtomicU64,
+}
+
+/// The interposer over a runtime `R` (the real one in the library, a fake in tests).
+pub struct Interposer<R> {
+    runtime: R,
+    devices: Devices,
+    /// Devices whose allocator could not be made: their calls go to the runtime.
+    refused: [AtomicBool; MAX_DEVICES],
+    /// The options of a new allocator, before its device is set.
+    options: fn() -> Result<Options, String>,
+    pub counts: Counts,
+    last_error: Mutex<Option<String>>,
+}
+
+fn env_options() -> Result<Options, String> {
+    let o = conf::from_env().map_err(|e| format!("{}: {e}", conf::ENV_VAR))?;
+    cuda_only(o)
+}
+
+/// The CUDA backend (`auto` becomes it); the host backend is refused: its memory is the host's,
+/// and a kernel given it as device memory faults (an inherited `MOONBRIGHT_ALLOC_CONF` of CPU
+/// tests did that to PyTorch on the H200).
+pub fn cuda_only(o: Options) -> Result<Options, String> {
+    match o.backend {
+        BackendKind::Cuda | BackendKind::Auto => Ok(Options { backend: BackendKind::Cuda, ..o }),
+        other => Err(format!(
+            "{} asks for the {other:?} backend, whose memory is not the GPU's; the interposer \
+             serves only backend:cuda",
+            conf::ENV_VAR
+        )),
+    }
+}
+
+/// The `cudaError_t` for a MoonBright error.
+fn code_of(e: &Error) -> c_int {
+    match e {
+        Error::OutOfMemory { .. }
+        | Error::TooLarge { .. }
+        | Error::AddressSpaceExhausted { .. } => code::MEMORY_ALLOCATION,
+        Error::StreamCapture { .. } => code::STREAM_CAPTURE_UNSUPPORTED,
+        Error::UnknownPointer { .. }
+        | Error::DoubleFree { .. }
+        | Error::InteriorPointer { .. }
+        | Error::InvalidOption { .. } => code::INVALID_VALUE,
+        _ => code::UNKNOWN,
+    }
+}
+
+impl<R: Runtime> Interposer<R> {
+    pub const fn new(runtime: R, options: fn() -> Result<Options, String>) -> Self {
+        Interposer {
+            runtime,
+            devices: Devices::new(),
+            refused: [const { AtomicBool::new(false) }; MAX_DEVICES],
+            options,
+            counts: Counts {
+                served_allocs: AtomicU64::new(0),
+                served_frees: AtomicU64::new(0),
+                passed_allocs: AtomicU64::new(0),
+                passed_frees: AtomicU64::new(0),
+                synchronous_frees: AtomicU64::new(0),
+            },
+            last_error: Mutex::new(None),
+        }
+    }
+
+    pub fn runtime(&self) -> &R {
+        &self.runtime
+    }
+
+    pub fn devices(&self) -> &Devices {
+        &self.devices
+    }
+
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn fail(&self, message: String, code: c_int) -> c_int {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+        code
+    }
+
+    /// The allocator of `device`, or `None` if its calls go to the runtime.
+    fn allocator(&self, device: i32) -> Option<&Allocator> {
+        let i = Devices::index(device).ok()?;
+        if self.refused[i].load(Ordering::Acquire) {
+            return None;
+        }
+        let create = || {
+            let mut o = (self.options)()?;
+            o.device = device;
+            Allocator::new(o).map_err(|e| format!("cannot create the allocator: {e}"))
+        };
+        let peer_error = |m: String| {
+            self.fail(m, code::SUCCESS);
+        };
+        match self.devices.get_or_create(device, create, peer_error) {
+            Ok(a) => Some(a),
+            Err(m) => {
+                if !self.refused[i].swap(true, Ordering::AcqRel) {
+                    let m = format!("device {device}: {m}; its allocations go to the CUDA runtime");
+                    let _ = catch_unwind(|| eprintln!("moonbright-preload: {m}"));
+                    self.fail(m, code::SUCCESS);
+                }
+                None
+            }
+        }
+    }
+
+    /// `cudaMalloc` (`stream: None`) or `cudaMallocAsync`.
+    ///
+    /// # Safety
+    /// `out` is null or valid for a pointer's write.
+    pub unsafe fn malloc(&self, out: *mut *mut c_void, size: usize, stream: Option<u64>) -> c_int {
+        if out.is_null() {
+            return self.fail("a null pointer for the result".into(), code::INVALID_VALUE);
+        }
+        let pass = || {
+            self.counts.passed_allocs.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `out` is valid, as the caller guarantees.
+            unsafe { self.runtime.malloc(out, size, stream) }
+        };
+        if size == 0 {
+            return pass();
+        }
+        let device = match self.runtime.get_device() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        let Some(a) = self.allocator(device) else {
+            return pass();
+        };
+        // `malloc_for_graph` takes no memory still pending on any stream, which is what
+        // `cudaMalloc` promises (MoonBright's `malloc` may take the null stream's).
+        let r = match stream {
+            None => a.malloc_for_graph(size),
+            Some(s) => a.malloc_async(size, StreamHandle(s)),
+        };
+        match r {
+            Ok(p) => {
+                // SAFETY: `out` is valid, as the caller guarantees.
+                unsafe { *out = p as *mut c_void };
+                self.counts.served_allocs.fetch_add(1, Ordering::Relaxed);
+                code::SUCCESS
+            }
+            Err(e) => self.fail(format!("device {device}: {e}"), code_of(&e)),
+        }
+    }
+
+    /// `cudaFree` (`stream: None`) or `cudaFreeAsync`.
+    pub fn free(&self, ptr: *mut c_void, stream: Option<u64>) -> c_int {
+        let owner = if ptr.is_null() { None } else { self.devices.owner(ptr as u64) };
+        let Some((device, a)) = owner else {
+            self.counts.passed_frees.fetch_add(1, Ordering::Relaxed);
+            return self.runtime.free(ptr as u64, stream);
+        };
+        let r = match stream {
+            Some(s) => a.free_async(ptr as u64, StreamHandle(s)),
+            None => {
+                let synced = self.synchronize(device as i32);
+                if synced != code::SUCCESS {
+                    // Work may still use it: keep it (the runtime's cudaFree would fail too).
+                    return self.fail(
+                        format!("device {device}: synchronising before the free failed ({synced})"),
+                        synced,
+                    );
+                }
+                self.counts.synchronous_frees.fetch_add(1, Ordering::Relaxed);
+                a.free(ptr as u64)
+            }
+        };
+        match r {
+            Ok(()) => {
+                self.counts.served_frees.fetch_add(1, Ordering::Relaxed);
+                code::SUCCESS
+            }
+            Err(e) => self.fail(format!("device {device}: {e}"), code_of(&e)),
+        }
+    }
+
+    /// Waits for all work on `device`, as the runtime's `cudaFree` does, leaving the thread's
+    /// current device as it was.
+    fn synchronize(&self, device: i32) -> c_int {
+        let current = match self.runtime.get_device() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        if current == device {
+            return self.runtime.device_synchronize();
+        }
+        let set = self.runtime.set_device(device);
+        if set != code::SUCCESS {
+            return set;
+        }
+        let r = self.runtime.device_synchronize();
+        let back = self.runtime.set_device(current);
+        if r != code::SUCCESS {
+            r
+        } else {
+            back
+        }
+    }
+
+    /// The counts and each device's allocator statistics, as JSON.
+    pub fn report(&self) -> String {
+        let c = &self.counts;
+        let devices: Vec<serde_json::Value> = self
+            .devices
+            .created()
+            .map(|(i, a)| {
+                let s = a.stats();
+                serde_json::json!({
+                    "device": i,
+                    "allocated_bytes": s.allocated_bytes.current,
+                    "allocated_bytes_peak": s.allocated_bytes.peak,
+                    "reserved_bytes": s.reserved_bytes.current,
+                    "reserved_bytes_peak": s.reserved_bytes.peak,
+                    "allocations": s.allocations.current,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "served_allocs": c.served_allocs.load(Ordering::Relaxed),
+            "served_frees": c.served_frees.load(Ordering::Relaxed),
+            "passed_allocs": c.passed_allocs.load(Ordering::Relaxed),
+            "passed_frees": c.passed_frees.load(Ordering::Relaxed),
+            "synchronous_frees": c.synchronous_frees.load(Ordering::Relaxed),
+            "devices": devices,
+        })
+        .to_string()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The exported functions.
+
+static PRELOAD: Interposer<Real> = Interposer::new(Real::new(), env_options);
+
+/// Runs an entry point; a panic becomes `cudaErrorUnknown` with its message kept.
+fn guard(f: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        let _ = catch_unwind(|| PRELOAD.fail("internal error (panic)".into(), code::UNKNOWN));
+        code::UNKNOWN
+    })
+}
+
+/// Copies `text` into `buf` (at most `len - 1` bytes and a NUL); returns its whole length.
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes' writes.
+unsafe fn copy_out(text: &str, buf: *mut c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: the caller gives `len` writable bytes at `buf`; n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
+}
+
+/// The CUDA runtime's `cudaMalloc`, served by MoonBright.
+///
+/// # Safety
+/// As the runtime's: `dev_ptr` is null or valid for a pointer's write.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.malloc(dev_ptr, size, None) })
+}
+
+/// The CUDA runtime's `cudaFree`: waits for the device, then frees.
+#[no_mangle]
+pub extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
+    guard(|| PRELOAD.free(ptr, None))
+}
+
+/// The CUDA runtime's `cudaMallocAsync`, stream-ordered on `stream`.
+///
+/// # Safety
+/// As the runtime's: `dev_ptr` is null or valid for a pointer's write.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.malloc(dev_ptr, size, Some(stream as u64)) })
+}
+
+/// The CUDA runtime's `cudaFreeAsync`, stream-ordered on `stream`.
+#[no_mangle]
+pub extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guard(|| PRELOAD.free(ptr, Some(stream as u64)))
+}
+
+/// The stream a `_ptsz` call means: the null stream is the thread's own.
+fn per_thread(stream: *mut c_void) -> u64 {
+    if stream.is_null() {
+        PER_THREAD_STREAM
+    } else {
+        stream as u64
+    }
+}
+
+/// `cudaMallocAsync` in a program built with `--default-stream per-thread`.
+///
+/// # Safety
+/// As `cudaMallocAsync`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync_ptsz(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.malloc(dev_ptr, size, Some(per_thread(stream))) })
+}
+
+/// `cudaFreeAsync` in a program built with `--default-stream per-thread`.
+#[no_mangle]
+pub extern "C" fn cudaFreeAsync_ptsz(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guard(|| PRELOAD.free(ptr, Some(per_thread(stream))))
+}
+
+/// The last error's message (`buf`, `len` as for `moonbright_preload_report`); its length, 0
+/// if none.
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes' writes.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_preload_last_error(buf: *mut c_char, len: usize) -> usize {
+    catch_unwind(|| {
+        let text = PRELOAD.last_error().unwrap_or_default();
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { copy_out(&text, buf, len) }
+    })
+    .unwrap_or(0)
+}
+
+/// The calls served and passed on, and each device's allocator statistics, as JSON written to
+/// `buf` (at most `len - 1` bytes and a NUL). Returns the report's whole length: call with a
+/// null `buf` first for it.
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes' writes.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_preload_report(buf: *mut c_char, len: usize) -> usize {
+    catch_unwind(|| {
+        let text = PRELOAD.report();
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { copy_out(&text, buf, len) }
+    })
+    .unwrap_or(0)
+}

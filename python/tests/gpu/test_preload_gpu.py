@@ -1,0 +1,211 @@
+"""Unmodified PyTorch programs under the LD_PRELOAD interposer (libmoonbright_preload.so), on a GPU.
+
+PyTorch's own allocators call the CUDA runtime's cudaMalloc/cudaFree (the caching allocator)
+or cudaMallocAsync/cudaFreeAsync (backend:cudaMallocAsync); with the interposer preloaded
+those calls reach MoonBright. Each scenario runs in a fresh process, once without the
+interposer and once with it, and prints a JSON line: results, timings and, under the
+interposer, its report (`moonbright_preload_report`). The library is taken from
+MOONBRIGHT_PRELOAD_LIB, else target/release/; skipped without it, PyTorch or a CUDA device.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+LIB = pathlib.Path(
+    os.environ.get("MOONBRIGHT_PRELOAD_LIB", REPO / "target/release/libmoonbright_preload.so")
+)
+if not LIB.is_file():
+    pytest.skip(f"no interposer library at {LIB}", allow_module_level=True)
+
+PRELUDE = """
+import ctypes, hashlib, json, os, time
+import torch
+
+def report():
+    try:
+        f = ctypes.CDLL(None).moonbright_preload_report
+    except AttributeError:
+        return None
+    f.restype = ctypes.c_size_t
+    f.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    n = f(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    f(buf, n + 1)
+    return json.loads(buf.value)
+
+def digest(*tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+"""
+
+
+def run(code, preload, env_extra=None, timeout=600):
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    # Not the CPU tests' host-backend configuration (conftest.py), which the interposer refuses.
+    env["MOONBRIGHT_ALLOC_CONF"] = ""
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.update(env_extra or {})
+    if preload:
+        env["LD_PRELOAD"] = str(LIB)
+    r = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"no result printed:\n{r.stdout}\n{r.stderr}"
+    out = json.loads(lines[-1])
+    print(f"\n{'preload' if preload else 'runtime'}: {json.dumps(out)}")
+    return out
+
+
+LLAMA = """
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+torch.backends.cuda.matmul.allow_tf32 = False
+cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  max_position_embeddings=256, attn_implementation="eager")
+model = LlamaForCausalLM(cfg).cuda()
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, 1000, (2, 24), generator=g).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+losses = []
+for _ in range(3):
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+out = model.generate(ids[:, :8], max_new_tokens=16, do_sample=False)
+params = digest(*model.parameters())
+allocated = torch.cuda.memory_allocated()
+torch.cuda.empty_cache()
+print(json.dumps({"losses": losses, "tokens": out.tolist(), "params": params,
+                  "allocated": allocated, "report": report()}))
+"""
+
+
+def test_llama_training_and_generation_match_the_runtimes_bit_for_bit():
+    base = run(LLAMA, preload=False)
+    mb = run(LLAMA, preload=True)
+    assert base["report"] is None
+    for k in ("losses", "tokens", "params", "allocated"):
+        assert mb[k] == base[k], k
+    r = mb["report"]
+    assert r["served_allocs"] > 0, r
+    # empty_cache gave every cached segment back through cudaFree, which waited for the device.
+    assert r["served_frees"] == r["synchronous_frees"] > 0, r
+    assert r["devices"][0]["allocations"] == r["served_allocs"] - r["served_frees"], r
+
+
+NO_CACHE = """
+sizes = [512, 1 << 16, 3 << 20, 40 << 20, 300 << 20]
+# Work: each tensor is filled, read back through a kernel, and checked.
+total = 0.0
+for i in range(200):
+    for s in sizes:
+        t = torch.full((s // 4,), float(i % 7), device="cuda")
+        total += float(t[:: max(1, s // 4096)].sum())
+del t
+torch.cuda.synchronize()
+# Time: alloc+free pairs of each size (PyTorch's caching off: each is cudaMalloc + cudaFree).
+pairs = {}
+for s in sizes:
+    for _ in range(20):
+        torch.empty(s, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    n = 400
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.empty(s, dtype=torch.uint8, device="cuda")
+    pairs[s] = (time.perf_counter() - t0) / n * 1e6
+print(json.dumps({"total": total, "pair_us": pairs, "report": report()}))
+"""
+
+
+def test_without_pytorchs_cache_every_tensor_goes_through_it():
+    env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    base = run(NO_CACHE, preload=False, env_extra=env)
+    mb = run(NO_CACHE, preload=True, env_extra=env)
+    assert mb["total"] == base["total"]
+    r = mb["report"]
+    assert r["served_allocs"] >= 200 * 5 + 5 * 420, r
+    assert r["served_frees"] == r["served_allocs"], r
+    assert r["devices"][0]["allocated_bytes"] == 0, r
+    for s, us in mb["pair_us"].items():
+        print(f"{int(s):>10} B: alloc+free {us:8.2f} us under the interposer, "
+              f"{base['pair_us'][s]:8.2f} us with the runtime's cudaMalloc/cudaFree")
+
+
+ASYNC = """
+torch.manual_seed(0)
+side = torch.cuda.Stream()
+checks = []
+for i in range(50):
+    a = torch.randn(1 << 20, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b = a * 2 + 1
+        c = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        c.fill_(i % 251)
+    torch.cuda.current_stream().wait_stream(side)
+    b.record_stream(torch.cuda.current_stream())
+    checks.append(float((b - (a * 2 + 1)).abs().max()) + float(c[::4096].float().mean()))
+    del a, b, c
+torch.cuda.synchronize()
+print(json.dumps({"checks": checks, "report": report()}))
+"""
+
+
+def test_the_cudamallocasync_backend_is_served_stream_ordered():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    base = run(ASYNC, preload=False, env_extra=env)
+    mb = run(ASYNC, preload=True, env_extra=env)
+    assert mb["checks"] == base["checks"]
+    r = mb["report"]
+    assert r["served_allocs"] >= 150 and r["served_frees"] >= 140, r
+    assert r["synchronous_frees"] == 0, r
+
+
+OOM = """
+x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+x.fill_(5)
+try:
+    torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+    raised = False
+except torch.OutOfMemoryError as e:
+    raised = "out of memory" in str(e).lower()
+y = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+y.fill_(1)
+print(json.dumps({"raised": raised, "x": int(x[::1 << 20].sum()), "y": int(y[::1 << 20].sum()),
+                  "report": report()}))
+"""
+
+
+def test_out_of_memory_raises_pytorchs_error_and_the_process_goes_on():
+    mb = run(OOM, preload=True, env_extra={"MOONBRIGHT_ALLOC_CONF": "cap:4GiB"})
+    assert mb["raised"]
+    assert mb["x"] == 5 * 2048 and mb["y"] == 1024
+    assert mb["report"]["devices"][0]["reserved_bytes"] <= 4 << 30
