@@ -128,8 +128,14 @@ impl<R: Runtime> Interposer<R> {
         self.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn fail(&self, message: String, code: c_int) -> c_int {
+    /// Keeps `message` for `moonbright_preload_last_error`.
+    fn note(&self, message: String) {
         *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+    }
+
+    /// Keeps `message` and returns `code`.
+    fn fail(&self, message: String, code: c_int) -> c_int {
+        self.note(message);
         code
     }
 
@@ -144,16 +150,13 @@ impl<R: Runtime> Interposer<R> {
             o.device = device;
             Allocator::new(o).map_err(|e| format!("cannot create the allocator: {e}"))
         };
-        let peer_error = |m: String| {
-            self.fail(m, code::SUCCESS);
-        };
-        match self.devices.get_or_create(device, create, peer_error) {
+        match self.devices.get_or_create(device, create, |m| self.note(m)) {
             Ok(a) => Some(a),
             Err(m) => {
                 if !self.refused[i].swap(true, Ordering::AcqRel) {
                     let m = format!("device {device}: {m}; its allocations go to the CUDA runtime");
                     let _ = catch_unwind(|| eprintln!("moonbright-preload: {m}"));
-                    self.fail(m, code::SUCCESS);
+                    self.note(m);
                 }
                 None
             }

@@ -349,3 +349,26 @@ fn only_the_cuda_backend_is_served() {
     assert!(ip.last_error().unwrap().contains("backend:cuda"));
     assert!(ip.devices().created().next().is_none());
 }
+
+#[test]
+fn a_driver_failure_is_an_error_and_loses_nothing() {
+    use moonbright::CallKind;
+    let ip = new(host_options);
+    let (_, keep) = malloc(&ip, 4 * MIB, None);
+    let a = ip.devices().owner(keep).unwrap().1;
+    a.write(keep, &[5; 64]).unwrap();
+    for kind in [CallKind::Create, CallKind::Map, CallKind::SetAccess] {
+        a.release_unused().unwrap();
+        a.driver().fail_nth(kind, 1, None);
+        let (r, p) = malloc(&ip, 6 * MIB, None);
+        assert_eq!((r, p), (code::UNKNOWN, 0), "{kind:?}");
+        assert!(ip.last_error().unwrap().contains("device 0"), "{:?}", ip.last_error());
+        let (r, p) = malloc(&ip, 6 * MIB, None);
+        assert_eq!(r, code::SUCCESS, "the next request after a failed {kind:?}");
+        assert_eq!(ip.free(p as *mut c_void, None), code::SUCCESS);
+    }
+    let mut back = [0u8; 64];
+    a.read(keep, &mut back).unwrap();
+    assert_eq!(back, [5; 64]);
+    a.check_invariants().unwrap();
+}
