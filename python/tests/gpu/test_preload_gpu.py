@@ -209,3 +209,46 @@ def test_out_of_memory_raises_pytorchs_error_and_the_process_goes_on():
     assert mb["raised"]
     assert mb["x"] == 5 * 2048 and mb["y"] == 1024
     assert mb["report"]["devices"][0]["reserved_bytes"] <= 4 << 30
+
+
+def nvcc():
+    import shutil
+
+    found = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return found if os.path.exists(found) else None
+
+
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc to build the CUDA program")
+def test_a_cuda_program_linked_with_the_shared_runtime(tmp_path):
+    """crates/moonbright-preload/tests/cuda/check.cu: four threads of cudaMalloc / kernels /
+    cudaFree, and cudaMallocAsync freed on another stream, each allocation checked by a kernel;
+    a double free and an impossible request get the runtime's errors. Here the runtime is in
+    the program's global scope, which the interposer finds with RTLD_NEXT."""
+    src = REPO / "crates/moonbright-preload/tests/cuda/check.cu"
+    exe = tmp_path / "check"
+    build = subprocess.run(
+        [nvcc(), "-O2", "-std=c++17", "-arch=native", "-cudart", "shared", "-o", str(exe),
+         str(src), "-ldl", "-lpthread"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    results = {}
+    for preload in (False, True):
+        env = dict(os.environ, MOONBRIGHT_ALLOC_CONF="")
+        env.pop("LD_PRELOAD", None)
+        if preload:
+            env["LD_PRELOAD"] = str(LIB)
+        r = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"preload={preload}\n{r.stdout}\n{r.stderr}"
+        results[preload] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"\npreload={preload}: {r.stdout.strip()}")
+    base, mb = results[False], results[True]
+    assert base["report"] is None
+    for k in ("bad", "failures", "double_free", "oom", "after_oom"):
+        assert mb[k] == base[k], k
+    assert mb["double_free"] != 0 and (mb["oom"], mb["after_oom"]) == (2, 0)
+    r = mb["report"]
+    # 4 threads x 12 rounds x 8, 200 x 2 async, and two in the error checks.
+    assert r["served_allocs"] >= 786 and r["served_frees"] >= 786, r
+    assert r["synchronous_frees"] >= 386 and r["passed_frees"] >= 1, r
+    assert r["devices"][0]["allocations"] == r["served_allocs"] - r["served_frees"], r
