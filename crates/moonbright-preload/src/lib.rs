@@ -6,6 +6,7 @@
 //!
 //! It defines the CUDA runtime's `cudaMalloc`, `cudaFree`, `cudaMallocAsync` and
 //! `cudaFreeAsync` (and the `_ptsz` forms that `--default-stream per-thread` builds call), and
+//! `cudaMemGetInfo` (which counts memory MoonBright holds unused as free), and
 //! the program's calls reach these before libcudart's, wherever libcudart is loaded from, as
 //! long as it is loaded as a shared library (a program linked with the static runtime is not
 //! reached). Each device's allocations come from a process-wide MoonBright allocator
@@ -23,8 +24,8 @@
 //! `free_async`). Errors come back as `cudaError_t` (out of memory: `cudaErrorMemoryAllocation`)
 //! with MoonBright's message kept for `moonbright_preload_last_error`; no call panics across.
 //! Not interposed: IPC handles (`cudaIpcGetMemHandle` fails on virtual-memory allocations),
-//! `cudaMemGetInfo` (memory MoonBright holds free counts as used), the pitched, 3D, managed
-//! and pool allocation calls (they go to the runtime, and so do their frees).
+//! the pitched, 3D, managed and pool allocation calls (they go to the runtime, and so do their
+//! frees).
 
 mod runtime;
 
@@ -234,6 +235,24 @@ impl<R: Runtime> Interposer<R> {
         }
     }
 
+    /// `cudaMemGetInfo`: what a `cudaMalloc` could get. The memory MoonBright holds for the
+    /// current device and no allocation uses counts as free, and what it may still create from
+    /// the driver's free memory is bounded by its cap. It makes the device's allocator if need
+    /// be (a program asks before its first allocation, and the cap applies from then on); a
+    /// device whose calls go to the runtime gets the driver's figures.
+    pub fn mem_get_info(&self) -> Result<(usize, usize), c_int> {
+        let (free, total) = self.runtime.mem_get_info()?;
+        let device = self.runtime.get_device()?;
+        let Some(a) = self.allocator(device) else {
+            return Ok((free, total));
+        };
+        let s = a.stats();
+        let (reserved, allocated) = (s.reserved_bytes.current, s.allocated_bytes.current);
+        let can_create = (free as u64).min(a.cap().saturating_sub(reserved));
+        let held_unused = reserved.saturating_sub(allocated);
+        Ok(((can_create + held_unused).min(total as u64) as usize, total))
+    }
+
     /// Waits for all work on `device`, as the runtime's `cudaFree` does, leaving the thread's
     /// current device as it was.
     fn synchronize(&self, device: i32) -> c_int {
@@ -350,6 +369,25 @@ pub unsafe extern "C" fn cudaMallocAsync(
 #[no_mangle]
 pub extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> c_int {
     guard(|| PRELOAD.free(ptr, Some(stream as u64)))
+}
+
+/// The CUDA runtime's `cudaMemGetInfo`, counting memory MoonBright holds unused as free.
+///
+/// # Safety
+/// As the runtime's: `free` and `total` are valid for writes (a null one is refused).
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> c_int {
+    if free.is_null() || total.is_null() {
+        return code::INVALID_VALUE;
+    }
+    guard(|| match PRELOAD.mem_get_info() {
+        Ok((f, t)) => {
+            // SAFETY: both are valid, as the caller guarantees and checked non-null above.
+            unsafe { (*free, *total) = (f, t) };
+            code::SUCCESS
+        }
+        Err(e) => e,
+    })
 }
 
 /// The stream a `_ptsz` call means: the null stream is the thread's own.

@@ -27,6 +27,8 @@ pub trait Runtime: Sync {
     unsafe fn malloc(&self, out: *mut *mut c_void, size: usize, stream: Option<u64>) -> c_int;
     /// `ptr` is a device address, never dereferenced here.
     fn free(&self, ptr: u64, stream: Option<u64>) -> c_int;
+    /// `cudaMemGetInfo`: the driver's free and total bytes of the current device.
+    fn mem_get_info(&self) -> Result<(usize, usize), c_int>;
 }
 
 type GetDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
@@ -36,6 +38,7 @@ type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type Free = unsafe extern "C" fn(*mut c_void) -> c_int;
 type MallocAsync = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> c_int;
 type FreeAsync = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
 
 /// The runtime's functions, found together.
 struct Fns {
@@ -44,6 +47,7 @@ struct Fns {
     synchronize: Synchronize,
     malloc: Malloc,
     free: Free,
+    mem_get_info: MemGetInfo,
     /// Absent before CUDA 11.2.
     malloc_async: Option<MallocAsync>,
     free_async: Option<FreeAsync>,
@@ -115,6 +119,7 @@ fn resolve(sym: impl Fn(&CStr) -> *mut c_void) -> Option<Fns> {
             )?),
             malloc: std::mem::transmute::<*mut c_void, Malloc>(get(c"cudaMalloc")?),
             free: std::mem::transmute::<*mut c_void, Free>(get(c"cudaFree")?),
+            mem_get_info: std::mem::transmute::<*mut c_void, MemGetInfo>(get(c"cudaMemGetInfo")?),
             malloc_async: get(c"cudaMallocAsync")
                 .map(|p| std::mem::transmute::<*mut c_void, MallocAsync>(p)),
             free_async: get(c"cudaFreeAsync")
@@ -182,6 +187,16 @@ impl Runtime for Real {
         }
     }
 
+    fn mem_get_info(&self) -> Result<(usize, usize), c_int> {
+        let f = self.fns()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: the runtime's cudaMemGetInfo with two valid out-pointers.
+        match unsafe { (f.mem_get_info)(&mut free, &mut total) } {
+            code::SUCCESS => Ok((free, total)),
+            e => Err(e),
+        }
+    }
+
     fn free(&self, ptr: u64, stream: Option<u64>) -> c_int {
         let ptr = ptr as *mut c_void;
         let f = match self.fns() {
@@ -215,6 +230,7 @@ mod tests {
         assert_eq!(r.set_device(0), code::INITIALIZATION_ERROR);
         assert_eq!(r.device_synchronize(), code::INITIALIZATION_ERROR);
         assert_eq!(r.free(0x1000, None), code::INITIALIZATION_ERROR);
+        assert_eq!(r.mem_get_info(), Err(code::INITIALIZATION_ERROR));
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer.
         assert_eq!(unsafe { r.malloc(&mut p, 64, Some(0)) }, code::INITIALIZATION_ERROR);

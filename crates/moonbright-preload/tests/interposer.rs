@@ -29,6 +29,8 @@ struct Fake {
     own: Mutex<Vec<u64>>,
     fail_get_device: AtomicI32,
     fail_sync: AtomicI32,
+    /// What `mem_get_info` reports: the driver's free and total bytes.
+    info: Mutex<(usize, usize)>,
 }
 
 impl Fake {
@@ -39,6 +41,7 @@ impl Fake {
             own: Mutex::new(Vec::new()),
             fail_get_device: AtomicI32::new(0),
             fail_sync: AtomicI32::new(0),
+            info: Mutex::new((0, 0)),
         }
     }
     fn take(&self) -> Vec<Call> {
@@ -50,6 +53,9 @@ impl Fake {
 }
 
 impl Runtime for Fake {
+    fn mem_get_info(&self) -> Result<(usize, usize), c_int> {
+        Ok(*self.info.lock().unwrap())
+    }
     fn get_device(&self) -> Result<i32, c_int> {
         match self.fail_get_device.load(Ordering::SeqCst) {
             0 => Ok(self.device.load(Ordering::SeqCst)),
@@ -371,4 +377,43 @@ fn a_driver_failure_is_an_error_and_loses_nothing() {
     a.read(keep, &mut back).unwrap();
     assert_eq!(back, [5; 64]);
     a.check_invariants().unwrap();
+}
+
+#[test]
+fn mem_get_info_counts_memory_held_unused_as_free() {
+    fn capped() -> Result<Options, String> {
+        Ok(Options { cap_bytes: Some(64 * MIB as u64), ..Options::host(256 * MIB as u64, 2 * MIB) })
+    }
+    let ip = new(capped);
+    *runtime(&ip).info.lock().unwrap() = (100 * MIB, 140 * MIB);
+    // Asked first, it makes the allocator: its cap bounds what a cudaMalloc could get.
+    assert_eq!(ip.mem_get_info(), Ok((64 * MIB, 140 * MIB)));
+    assert!(ip.devices().get(0).is_some());
+    let (_, p) = malloc(&ip, 10 * MIB, None);
+    let (_, q) = malloc(&ip, 20 * MIB, None);
+    assert_eq!(ip.free(q as *mut c_void, None), code::SUCCESS);
+    let a = ip.devices().owner(p).unwrap().1;
+    let s = a.stats();
+    let (reserved, allocated) =
+        (s.reserved_bytes.current as usize, s.allocated_bytes.current as usize);
+    assert!(reserved >= 30 * MIB && allocated == 10 * MIB, "{reserved} {allocated}");
+    // The driver reports the memory MoonBright holds as used; what it holds unused is free to
+    // a cudaMalloc, and what it may still create is bounded by its cap.
+    *runtime(&ip).info.lock().unwrap() = (100 * MIB - reserved, 140 * MIB);
+    let (free, total) = ip.mem_get_info().unwrap();
+    assert_eq!(total, 140 * MIB);
+    assert_eq!(free, (64 * MIB - reserved) + (reserved - allocated));
+    // The driver's free memory bounds it too.
+    *runtime(&ip).info.lock().unwrap() = (MIB, 140 * MIB);
+    assert_eq!(ip.mem_get_info().unwrap().0, MIB + (reserved - allocated));
+    // The runtime's error comes back.
+    runtime(&ip).fail_get_device.store(100, Ordering::SeqCst);
+    assert_eq!(ip.mem_get_info(), Err(100));
+}
+
+#[test]
+fn mem_get_info_of_a_device_passed_through_is_the_drivers() {
+    let ip = new(bad_options);
+    *runtime(&ip).info.lock().unwrap() = (100 * MIB, 140 * MIB);
+    assert_eq!(ip.mem_get_info(), Ok((100 * MIB, 140 * MIB)));
 }

@@ -211,6 +211,31 @@ def test_out_of_memory_raises_pytorchs_error_and_the_process_goes_on():
     assert mb["report"]["devices"][0]["reserved_bytes"] <= 4 << 30
 
 
+MEM_INFO = """
+f0, total = torch.cuda.mem_get_info()
+x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+x.fill_(1)
+torch.cuda.synchronize()
+f1, _ = torch.cuda.mem_get_info()
+del x
+torch.cuda.synchronize()
+f2, _ = torch.cuda.mem_get_info()
+print(json.dumps({"f0": f0, "f1": f1, "f2": f2, "total": total, "report": report()}))
+"""
+
+
+def test_mem_get_info_counts_what_moonbright_holds_unused_as_free():
+    """Without PyTorch's cache the 4 GiB go back at `del`: to the driver under the runtime, to
+    MoonBright's cache under the interposer, where a cudaMalloc would get them again."""
+    env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    for preload in (False, True):
+        m = run(MEM_INFO, preload=preload, env_extra=env)
+        used = m["f0"] - m["f1"]
+        assert 4 << 30 <= used < (4 << 30) + (256 << 20), m
+        assert abs(m["f2"] - m["f0"]) < 256 << 20, m
+    assert m["report"]["served_frees"] == 1, m
+
+
 def nvcc():
     import shutil
 
