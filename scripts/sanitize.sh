@@ -5,7 +5,8 @@
 #
 #   bash scripts/sanitize.sh             # thread and address: the core's unit, conformance,
 #                                        # stream, fault, growable, paged and trace tests, and the
-#                                        # C API's unit, api and paged tests (about 5 min)
+#                                        # C API's unit, api and paged tests, and the
+#                                        # interposer's (about 5 min)
 #   bash scripts/sanitize.sh thread      # one of them
 #   bash scripts/sanitize.sh miri        # the core's unit tests under Miri (about 20 min on 2
 #                                        # cores); those that call the host backend's memfd and
@@ -33,7 +34,8 @@ for run in "${runs[@]}"; do
   case "$run" in
     thread | address)
       echo "== the CPU tests under the ${run} sanitizer"
-      for tests in "-p moonbright --lib --tests" "-p moonbright-capi --lib --test api --test paged"; do
+      for tests in "-p moonbright --lib --tests" "-p moonbright-capi --lib --test api --test paged" \
+        "-p moonbright-preload --lib --tests"; do
         # shellcheck disable=SC2086 # $tests is a list of arguments
         RUSTFLAGS="-Zsanitizer=$run" CARGO_TARGET_DIR="target/san-$run" \
           LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp" \
