@@ -43,7 +43,6 @@ pub use runtime::{code, Real, Runtime};
 const PER_THREAD_STREAM: u64 = 2;
 
 /// Calls served and passed on, for `moonbright_preload_report`.
-#[derive(Default)]
 pub struct Counts {
     pub served_allocs: AtomicU64,
     pub served_frees: AtomicU64,
@@ -187,10 +186,9 @@ impl<R: Runtime> Interposer<R> {
         let Some(a) = self.allocator(device) else {
             return pass();
         };
-        // `malloc_for_graph` takes no memory still pending on any stream, which is what
-        // `cudaMalloc` promises (MoonBright's `malloc` may take the null stream's).
+        // `malloc` takes no memory still pending on any stream: `cudaMalloc`'s promise.
         let r = match stream {
-            None => a.malloc_for_graph(size),
+            None => a.malloc(size),
             Some(s) => a.malloc_async(size, StreamHandle(s)),
         };
         match r {
@@ -448,4 +446,42 @@ pub unsafe extern "C" fn moonbright_preload_report(buf: *mut c_char, len: usize)
         unsafe { copy_out(&text, buf, len) }
     })
     .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The entry points' own checks, before any runtime call (a test binary has no libcudart).
+    #[test]
+    fn entry_points_refuse_null_outputs_and_report_without_a_runtime() {
+        let mut total = 0usize;
+        // SAFETY: null pointers, which the entry points must refuse before any use.
+        unsafe {
+            assert_eq!(cudaMalloc(std::ptr::null_mut(), 64), code::INVALID_VALUE);
+            assert_eq!(cudaMallocAsync(std::ptr::null_mut(), 64, 1 as _), code::INVALID_VALUE);
+            assert_eq!(cudaMemGetInfo(std::ptr::null_mut(), &mut total), code::INVALID_VALUE);
+            assert_eq!(cudaMemGetInfo(&mut total, std::ptr::null_mut()), code::INVALID_VALUE);
+        }
+        let mut last = [0 as c_char; 64];
+        // SAFETY: `last` has 64 writable bytes.
+        let n = unsafe { moonbright_preload_last_error(last.as_mut_ptr(), last.len()) };
+        assert!(n > 0, "the refusal left its message");
+        // The report: its whole length with a null buffer, then cut to the buffer with a NUL.
+        // SAFETY: a null buffer is allowed.
+        let whole = unsafe { moonbright_preload_report(std::ptr::null_mut(), 0) };
+        let mut small = [1 as c_char; 8];
+        // SAFETY: `small` has 8 writable bytes.
+        let n = unsafe { moonbright_preload_report(small.as_mut_ptr(), 8) };
+        assert_eq!(n, whole);
+        assert_eq!(small[7], 0);
+        let text: Vec<u8> = small[..7].iter().map(|&c| c as u8).collect();
+        assert_eq!(text, b"{\"devic".to_vec());
+    }
+
+    #[test]
+    fn a_ptsz_call_on_the_null_stream_means_the_threads_stream() {
+        assert_eq!(per_thread(std::ptr::null_mut()), PER_THREAD_STREAM);
+        assert_eq!(per_thread(0x1234 as *mut c_void), 0x1234);
+    }
 }
