@@ -12,9 +12,10 @@ use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::host::{HostConfig, HostDriver};
 use crate::driver::{
     ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle, Instrumented, MemInfo,
-    StreamHandle,
+    SharedChunk, StreamHandle,
 };
 use crate::error::{Error, Result};
+use crate::ipc::{Export, Imports};
 use crate::stream::{worker, Shared};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -40,13 +41,18 @@ impl Backend {
             .map(Backend::Host)
             .map_err(Error::from)
         };
+        let cuda = || {
+            let d = CudaDriver::new(options.device)?;
+            d.set_shareable(options.ipc);
+            Ok(Backend::Cuda(d))
+        };
         match options.backend {
             BackendKind::Host => host(),
-            BackendKind::Cuda => CudaDriver::new(options.device)
-                .map(Backend::Cuda)
-                .map_err(|e| Error::NoBackend(format!("cuda backend: {e}"))),
+            BackendKind::Cuda => {
+                cuda().map_err(|e: DriverError| Error::NoBackend(format!("cuda backend: {e}")))
+            }
             BackendKind::Auto => match cuda::probe() {
-                Ok(_) => CudaDriver::new(options.device).map(Backend::Cuda).map_err(Error::from),
+                Ok(_) => cuda().map_err(Error::from),
                 Err(_) => host(),
             },
         }
@@ -144,6 +150,15 @@ impl Driver for Backend {
     fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
         self.as_dyn().capture_id(stream)
     }
+    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
+        self.as_dyn().export_chunk(handle, size)
+    }
+    fn import_chunk(&self, chunk: &SharedChunk) -> DriverResult<ChunkHandle> {
+        self.as_dyn().import_chunk(chunk)
+    }
+    fn shareable(&self) -> bool {
+        self.as_dyn().shareable()
+    }
 }
 
 /// The sizes of a growable allocation, in bytes.
@@ -165,6 +180,8 @@ pub struct Allocator {
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
     total_memory: u64,
+    /// Memory other processes exported, mapped here (`import`).
+    imports: Imports,
 }
 
 impl fmt::Debug for Allocator {
@@ -237,7 +254,7 @@ impl Allocator {
         } else {
             None
         };
-        Ok(Allocator { shared, worker, total_memory: info.total })
+        Ok(Allocator { shared, worker, total_memory: info.total, imports: Imports::default() })
     }
 
     /// The state shared with the worker, for the loom models.
@@ -326,6 +343,52 @@ impl Allocator {
     /// The usable size of a live allocation (its size rounded up), or `None`.
     pub fn usable_size(&self, ptr: DevicePtr) -> Option<usize> {
         self.shared.heap().usable_size(ptr).map(|s| s as usize)
+    }
+
+    /// Exports the live allocation (or growable) at `ptr` for another process: the chunks that
+    /// back it, each as a file descriptor, to send with [`Export::send`] over a Unix socket.
+    /// The allocation must stay live until every importer has closed it, as with
+    /// `cudaIpcGetMemHandle`. An allocation below a page shares the page it is carved from.
+    /// Needs option `ipc` (on by default) and a driver that gives POSIX file descriptor handles.
+    pub fn export(&self, ptr: DevicePtr) -> Result<Export> {
+        let driver = self.driver();
+        if !self.options().ipc || !driver.shareable() {
+            return Err(Error::Ipc(format!(
+                "this allocator's chunks cannot be exported: option `ipc` is off, or the {} \
+                 driver refused to create chunks with POSIX file descriptor handles",
+                driver.name()
+            )));
+        }
+        let shared = self.shared.heap().shared_chunks(ptr)?;
+        // The driver calls run without the heap lock; the allocation must be unchanged after.
+        let chunks = shared
+            .chunks
+            .iter()
+            .map(|&(handle, bytes)| driver.export_chunk(handle, bytes as usize))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        if self.shared.heap().shared_chunks(ptr).as_ref() != Ok(&shared) {
+            return Err(Error::Ipc(format!("{ptr:#x} was freed while it was being exported")));
+        }
+        let device = self.device().unwrap_or(0);
+        Ok(Export::new(driver.name(), device, shared.size, shared.offset, chunks))
+    }
+
+    /// Maps memory another process exported ([`Export::recv`]) on this allocator's device, at
+    /// addresses of its own, and returns its address (`export.size()` bytes). The memory is
+    /// not this allocator's: it is not counted, and [`Allocator::close_import`] gives it back.
+    /// A failure leaves nothing mapped.
+    pub fn import(&self, export: &Export) -> Result<DevicePtr> {
+        self.imports.import(self.driver(), export)
+    }
+
+    /// Unmaps an import. The unmap is immediate: work that uses the memory must have completed.
+    pub fn close_import(&self, ptr: DevicePtr) -> Result<()> {
+        self.imports.close(self.driver(), ptr)
+    }
+
+    /// The imports held, as (address, size).
+    pub fn imports(&self) -> Vec<(DevicePtr, u64)> {
+        self.imports.list()
     }
 
     /// Unmaps every retired range now rather than at the next batch.
@@ -604,6 +667,7 @@ impl Allocator {
 
 impl Drop for Allocator {
     fn drop(&mut self) {
+        self.imports.close_all(self.driver());
         self.shared.stop.store(true, std::sync::atomic::Ordering::Release);
         self.shared.wake_worker_always();
         if let Some(w) = self.worker.take() {

@@ -44,6 +44,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
+    ("ipc", "true or false: chunks can be exported to other processes"),
     (
         "captures_announced",
         "true or false: look for CUDA graph captures only while one is announced (as PyTorch's allocator)",
@@ -187,6 +188,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         }
         "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
             opts.captures_announced = parse_bool(v).ok_or_else(|| bad(name, v))?;
         }
@@ -366,5 +368,8 @@ mod tests {
         let o = apply_pairs(Options::default(), [("peer_access", "off")]).unwrap();
         assert!(!o.peer_access && Options::default().peer_access);
         assert!(apply_pairs(Options::default(), [("peer_access", "2")]).is_err());
+        let o = apply_pairs(Options::default(), [("ipc", "false")]).unwrap();
+        assert!(!o.ipc && Options::default().ipc);
+        assert!(apply_pairs(Options::default(), [("ipc", "yes please")]).is_err());
     }
 }

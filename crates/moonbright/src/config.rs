@@ -102,6 +102,10 @@ pub struct Options {
     /// GPUs need it; each peer makes every new mapping's set access cost more). An `Allocator`
     /// alone grants no peer unless asked (`Allocator::enable_peer_access`).
     pub peer_access: bool,
+    /// Create chunks that can be shared with other processes (`Allocator::export`, module
+    /// `ipc`): on CUDA, `cuMemCreate` asks for a POSIX file descriptor handle. Where the driver
+    /// refuses one, chunks are made without and exports fail. Off: exports fail.
+    pub ipc: bool,
     /// Check a stream for a CUDA graph capture (`cuStreamIsCapturing`, about 0.4 µs on an H200,
     /// on every stream-ordered request and free) only while a capture announced with
     /// `Allocator::capture_starting` is in progress. This is the contract of PyTorch's own
@@ -149,6 +153,7 @@ impl Default for Options {
             window_refill_pages: 8,
             reuse_addresses: true,
             peer_access: true,
+            ipc: true,
             captures_announced: false,
             deferred_free_events: false,
             va_reserve_factor: 2,

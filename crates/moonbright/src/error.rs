@@ -140,6 +140,12 @@ pub enum Error {
         /// What does not match.
         reason: String,
     },
+    /// An export or import of memory shared with another process (module `ipc`) was refused.
+    #[error("inter-process sharing: {0}")]
+    Ipc(String),
+    /// A bad argument that no other variant names.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// A driver call failed; the allocator's state is as it was before the request.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),

@@ -125,6 +125,17 @@ struct Claim {
     same_stream: Vec<(ChunkId, u64, u64)>,
 }
 
+/// The chunks behind one allocation, for an export (`Heap::shared_chunks`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SharedChunks {
+    /// (handle, bytes) in address order.
+    pub chunks: Vec<(ChunkHandle, u64)>,
+    /// Where the allocation starts in the first chunk.
+    pub offset: u64,
+    /// The allocation's size in bytes.
+    pub size: u64,
+}
+
 /// Limits the heap works within, fixed at creation.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Limits {
@@ -326,6 +337,35 @@ impl Heap {
     /// The usable size of a live allocation (its rounded size), if `ptr` is one.
     pub fn usable_size(&self, ptr: u64) -> Option<u64> {
         self.live.get(&ptr).map(|l| l.rounded)
+    }
+
+    /// What exporting the live allocation (or growable) at `ptr` shares (`Allocator::export`):
+    /// the chunks that back it, in address order, as (handle, bytes); where it starts in the
+    /// first; and its size. An allocation below a page shares its arena's page. A growable
+    /// shares the chunks committed now. Refuses any other pointer as `free` would.
+    pub fn shared_chunks(&self, ptr: u64) -> Result<SharedChunks> {
+        let chunks = |ids: &[ChunkId]| -> Vec<(ChunkHandle, u64)> {
+            ids.iter()
+                .map(|&c| (self.pool.get(c).handle, self.bytes(self.pool.get(c).pages)))
+                .collect()
+        };
+        if let Some(live) = self.live.get(&ptr).filter(|l| !l.pooled) {
+            let (id, offset) = match live.backing {
+                Backing::Range(id) => (id, 0),
+                Backing::Sub { arena, offset } => (arena, offset),
+            };
+            let r = self.range(id);
+            return Ok(SharedChunks { chunks: chunks(&r.chunks), offset, size: live.size });
+        }
+        if let Ok(g) = self.live_growable(ptr) {
+            if g.chunks.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "growable allocation {ptr:#x} has no memory committed to share; resize it first"
+                )));
+            }
+            return Ok(SharedChunks { chunks: chunks(&g.chunks), offset: 0, size: g.size });
+        }
+        Err(self.classify_bad_free(ptr))
     }
 
     fn range(&self, id: RangeId) -> &Range {

@@ -4,9 +4,12 @@
 //! `CUresult` into a [`DriverError`].
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 // Not `crate::sync`: the CUDA backend is never run under loom.
 use std::sync::Mutex;
 
@@ -14,7 +17,7 @@ use cudarc::driver::sys;
 
 use super::{
     code, Batch, CallKind, ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle,
-    MemInfo, StreamHandle,
+    MemInfo, SharedChunk, StreamHandle,
 };
 
 /// `CUDA_ERROR_INVALID_DEVICE`, for an ordinal outside `0..device_count`.
@@ -23,7 +26,7 @@ const INVALID_DEVICE: i32 = sys::CUresult::CUDA_ERROR_INVALID_DEVICE as i32;
 /// Every libcuda symbol this file calls, checked once in [`CudaDriver::new`] so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-const REQUIRED_SYMBOLS: [&str; 34] = [
+const REQUIRED_SYMBOLS: [&str; 36] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -58,7 +61,14 @@ const REQUIRED_SYMBOLS: [&str; 34] = [
     "cuStreamIsCapturing",
     "cuStreamGetCaptureInfo_v2",
     "cuThreadExchangeStreamCaptureMode",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
 ];
+
+/// The shareable handle MoonBright asks `cuMemCreate` for, and exports: a POSIX file descriptor,
+/// which another process receives over a Unix socket (`ipc`).
+const FD_HANDLE: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
 /// Runs `call` with the calling thread's stream-capture mode set to relaxed, then restores it.
 ///
@@ -283,7 +293,22 @@ pub struct CudaDriver {
     granularity: usize,
     /// Other devices `set_access` grants access to, beside this one (`Driver::set_peers`).
     peers: Mutex<Vec<i32>>,
+    /// Whether `create_chunk` asks for chunks that can be exported (`set_shareable`); turned
+    /// off for good by the first create the driver refuses for it.
+    shareable: AtomicBool,
+    /// The descriptor of each chunk exported so far, until its release: an export costs
+    /// `cuMemExportToShareableHandle` (about 850 µs on an H200) the first time and a `dup`
+    /// after. Emptied of a handle by its release, since the driver may reuse the value.
+    exported: Mutex<HashMap<u64, OwnedFd>>,
+    /// Whether `exported` may hold anything, so that a release looks only then.
+    any_exported: AtomicBool,
+    /// Releases completed so far: an export keeps its descriptor only if no release completed
+    /// while it ran, since the handle it exported may be one of them.
+    releases: std::sync::atomic::AtomicU64,
 }
+
+/// Descriptors `CudaDriver::exported` keeps at most; past it, exports are not kept.
+const EXPORTS_KEPT: usize = 1024;
 
 // Every method is usable from any thread (the primary context is made current on demand).
 const _: fn() = || {
@@ -358,6 +383,10 @@ impl CudaDriver {
             ctx: PrimaryContext(ctx),
             granularity: 0,
             peers: Mutex::new(Vec::new()),
+            shareable: AtomicBool::new(false),
+            exported: Mutex::new(HashMap::new()),
+            any_exported: AtomicBool::new(false),
+            releases: std::sync::atomic::AtomicU64::new(0),
         };
         let _ctx = driver.enter(kind)?;
         let prop = driver.allocation_prop();
@@ -381,6 +410,21 @@ impl CudaDriver {
         }
         driver.granularity = granularity;
         Ok(driver)
+    }
+
+    /// Makes the chunks `create_chunk` makes from now on exportable (`Driver::export_chunk`), or
+    /// not. If the driver refuses to create a chunk with a shareable handle (a container or a
+    /// platform without POSIX file descriptor handles), the chunk is created without one and
+    /// sharing stays off.
+    pub fn set_shareable(&self, on: bool) {
+        self.shareable.store(on, Ordering::Relaxed);
+    }
+
+    /// Drops the descriptor kept for `handle`'s export, if any.
+    fn forget_export(&self, handle: ChunkHandle) {
+        if self.any_exported.load(Ordering::SeqCst) {
+            self.exported.lock().unwrap_or_else(|e| e.into_inner()).remove(&handle.0);
+        }
     }
 
     /// The device ordinal this driver serves.
@@ -507,19 +551,39 @@ impl Driver for CudaDriver {
     fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
         let kind = CallKind::Create;
         let _ctx = self.enter(kind)?;
-        let prop = self.allocation_prop();
+        let mut prop = self.allocation_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let shareable = self.shareable.load(Ordering::Relaxed);
+        if shareable {
+            prop.requestedHandleTypes = FD_HANDLE;
+        }
         // SAFETY: `handle` is a valid out-pointer and `prop` a fully initialised struct.
-        let r = relaxed(|| unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) });
+        let mut r = relaxed(|| unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) });
+        use sys::CUresult::{CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_SUPPORTED};
+        if shareable && matches!(r, CUDA_ERROR_NOT_SUPPORTED | CUDA_ERROR_NOT_PERMITTED) {
+            // No POSIX file descriptor handles here: chunks are made without, as they would be
+            // with sharing off, and exports fail with NOT_SUPPORTED.
+            self.shareable.store(false, Ordering::Relaxed);
+            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+            // SAFETY: as above.
+            r = relaxed(|| unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) });
+        }
         check(kind, r, || format!("cuMemCreate(size={size:#x}, device={})", self.ordinal))?;
         Ok(ChunkHandle(handle))
     }
 
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
         let kind = CallKind::Release;
+        // The handle's kept descriptor goes before the release (the driver may give the value
+        // to a new chunk as soon as it returns) and, should an export have kept one meanwhile,
+        // after it too. `releases` counts up in between: an export that ran across this
+        // release keeps nothing (`export_chunk`).
+        self.forget_export(handle);
         let _ctx = self.enter(kind)?;
         // SAFETY: a plain value; the driver validates the handle.
         let r = relaxed(|| unsafe { sys::cuMemRelease(handle.0) });
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.forget_export(handle);
         check(kind, r, || format!("cuMemRelease(handle={:#x})", handle.0))
     }
 
@@ -770,6 +834,81 @@ impl Driver for CudaDriver {
         let active = status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
         Ok(active.then_some(id))
     }
+
+    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
+        let kind = CallKind::Export;
+        let dup = |fd: &OwnedFd| {
+            fd.try_clone().map_err(|e| {
+                DriverError::new(kind, code::UNKNOWN, format!("dup of an exported descriptor: {e}"))
+            })
+        };
+        let mut kept = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(fd) = kept.get(&handle.0) {
+            return Ok(SharedChunk { fd: dup(fd)?, offset: 0, size: size as u64 });
+        }
+        drop(kept);
+        self.any_exported.store(true, Ordering::SeqCst);
+        let releases = self.releases.load(Ordering::SeqCst);
+        let _ctx = self.enter(kind)?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: for a POSIX file descriptor handle the out-pointer is an `int`, which `fd`
+        // is; the driver validates the handle.
+        let r = relaxed(|| unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                handle.0,
+                FD_HANDLE,
+                0,
+            )
+        });
+        check(kind, r, || {
+            format!("cuMemExportToShareableHandle(handle={:#x}, POSIX fd)", handle.0)
+        })?;
+        if fd < 0 {
+            return Err(DriverError::new(
+                kind,
+                code::UNKNOWN,
+                format!(
+                    "cuMemExportToShareableHandle(handle={:#x}) gave descriptor {fd}",
+                    handle.0
+                ),
+            ));
+        }
+        // SAFETY: the driver just opened `fd` for the caller, who owns it from here on.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        kept = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < EXPORTS_KEPT && self.releases.load(Ordering::SeqCst) == releases {
+            if let Ok(copy) = dup(&fd) {
+                kept.insert(handle.0, copy);
+            }
+        }
+        Ok(SharedChunk { fd, offset: 0, size: size as u64 })
+    }
+
+    fn import_chunk(&self, shared: &SharedChunk) -> DriverResult<ChunkHandle> {
+        let kind = CallKind::Import;
+        if shared.offset != 0 {
+            return Err(DriverError::new(
+                kind,
+                code::INVALID_VALUE,
+                format!("a CUDA chunk starts at offset 0 of its descriptor, not {}", shared.offset),
+            ));
+        }
+        let _ctx = self.enter(kind)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let raw = shared.fd.as_raw_fd();
+        // SAFETY: `handle` is a valid out-pointer; for a POSIX file descriptor the driver reads
+        // the descriptor from the pointer's value (it is not dereferenced) and does not take it.
+        let r = relaxed(|| unsafe {
+            sys::cuMemImportFromShareableHandle(&mut handle, raw as usize as *mut c_void, FD_HANDLE)
+        });
+        check(kind, r, || format!("cuMemImportFromShareableHandle(fd={raw}, POSIX fd)"))?;
+        Ok(ChunkHandle(handle))
+    }
+
+    fn shareable(&self) -> bool {
+        self.shareable.load(Ordering::Relaxed)
+    }
 }
 
 // Not under Miri: these tests run the host backend's memfd and mmap calls (or the CUDA
@@ -826,6 +965,44 @@ mod tests {
         assert_eq!(d.name(), "cuda");
         assert_eq!(d.device(), 0);
         assert!(!d.context().is_null());
+    }
+
+    /// A chunk exported (a POSIX file descriptor) and imported again shows the same bytes at a
+    /// second address; a second export of it reuses the kept descriptor, and its release
+    /// forgets it; without `set_shareable` an export is refused.
+    #[test]
+    fn exported_chunks_import_again_and_their_descriptors_are_kept_until_release() {
+        let Some(d) = gpu() else { return };
+        let g = d.granularity();
+        let plain = d.create_chunk(g).unwrap();
+        let e = d.export_chunk(plain, g).unwrap_err();
+        assert_eq!(e.call, CallKind::Export, "{e}");
+        d.release_chunk(plain).unwrap();
+
+        d.set_shareable(true);
+        let a = d.create_chunk(g).unwrap();
+        assert!(d.shareable(), "the H200's driver gives POSIX file descriptor handles");
+        let first = d.export_chunk(a, g).unwrap();
+        let t = std::time::Instant::now();
+        let second = d.export_chunk(a, g).unwrap();
+        println!("second export: {:?}", t.elapsed());
+        assert_ne!(first.fd.as_raw_fd(), second.fd.as_raw_fd());
+        assert_eq!(d.exported.lock().unwrap().len(), 1);
+        let b = d.import_chunk(&second).unwrap();
+        let base = d.reserve(2 * g, 0).unwrap();
+        d.map(base, g, a).unwrap();
+        d.map(base + g as u64, g, b).unwrap();
+        d.set_access(base, 2 * g).unwrap();
+        let p = pattern(g, 33);
+        d.write(base, &p).unwrap();
+        let mut got = vec![0u8; g];
+        d.read(base + g as u64, &mut got).unwrap();
+        assert!(got == p, "the imported chunk shows other bytes");
+        d.unmap(base, 2 * g).unwrap();
+        d.free_reservation(base, 2 * g).unwrap();
+        d.release_chunk(b).unwrap();
+        d.release_chunk(a).unwrap();
+        assert!(d.exported.lock().unwrap().is_empty(), "the release forgot the descriptor");
     }
 
     #[test]

@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
     code, CallKind, ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle,
-    MemInfo, StreamHandle,
+    MemInfo, SharedChunk, StreamHandle,
 };
 
 /// How the host backend is shaped.
@@ -53,6 +53,19 @@ struct Chunk {
     maps: usize,
     /// `release_chunk` was called; the chunk goes at its last unmap.
     released: bool,
+    /// Imported from another backend (`import_chunk`): the file its bytes are in, which is not
+    /// this backend's memfd, and whose space this backend neither counts nor frees.
+    imported: Option<Arc<OwnedFd>>,
+    /// Exported (`export_chunk`): another process may map its offsets for as long as it likes,
+    /// so once released they are neither punched nor given to a new chunk (CUDA keeps an
+    /// exported chunk's memory until its importers release it too).
+    exported: bool,
+}
+
+impl Chunk {
+    fn new(offset: u64, size: u64) -> Chunk {
+        Chunk { offset, size, maps: 0, released: false, imported: None, exported: false }
+    }
 }
 
 /// One `map` call's worth of address space.
@@ -360,11 +373,17 @@ impl State {
     /// Frees a chunk's memory: its RAM goes back to the OS and its offsets to the free list.
     fn free_chunk(&mut self, id: u64) {
         if let Some(c) = self.chunks.remove(&id) {
+            if c.imported.is_some() {
+                return;
+            }
+            self.live_chunk_bytes -= c.size;
+            if c.exported {
+                return;
+            }
             // A failed punch (tmpfs always supports it) would only keep RAM busy; CUDA leaves a
             // fresh chunk's contents unspecified, so reusing unpunched offsets is still correct.
             let _ = sys::punch_hole(&self.fd, c.offset, c.size);
             self.free_offsets(c.offset, c.size);
-            self.live_chunk_bytes -= c.size;
         }
     }
 
@@ -579,7 +598,7 @@ impl Driver for HostDriver {
             st.alloc_offsets(size).map_err(|e| os_err(call, "create_chunk: ftruncate", e))?;
         let id = st.next_chunk;
         st.next_chunk += 1;
-        st.chunks.insert(id, Chunk { offset, size, maps: 0, released: false });
+        st.chunks.insert(id, Chunk::new(offset, size));
         st.live_chunk_bytes += size;
         Ok(ChunkHandle(id))
     }
@@ -608,8 +627,8 @@ impl Driver for HostDriver {
         let end = self.check_aligned(call, va, size)?;
         let size = size as u64;
         let mut st = self.lock();
-        let (offset, chunk_size) = match st.chunks.get(&handle.0) {
-            Some(c) if !c.released => (c.offset, c.size),
+        let (offset, chunk_size, file) = match st.chunks.get(&handle.0) {
+            Some(c) if !c.released => (c.offset, c.size, c.imported.clone()),
             _ => {
                 return Err(err(
                     call,
@@ -646,8 +665,9 @@ impl Driver for HostDriver {
         }
         // SAFETY: [va, end) lies in one of our reservations and nothing is mapped there (both
         // checked above under the lock), so it holds only our PROT_NONE placeholder, which no
-        // reference can point into; [offset, offset + size) is this chunk's part of the memfd.
-        let mapped = unsafe { sys::map_shared_fixed(va, size, &st.fd, offset) };
+        // reference can point into; [offset, offset + size) is this chunk's part of its file.
+        let mapped =
+            unsafe { sys::map_shared_fixed(va, size, file.as_deref().unwrap_or(&st.fd), offset) };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may have dropped the placeholder; put it back so the range stays
             // reserved. If that fails too, the range is merely unreserved, not corrupted.
@@ -901,6 +921,73 @@ impl Driver for HostDriver {
     fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
         Ok(self.lock().capturing.get(&stream.0).copied())
     }
+
+    /// Shares the memfd (or, for a chunk imported here, the file it came from) with the
+    /// chunk's offsets. Unlike CUDA's descriptor, which names one chunk, it reaches the whole
+    /// file; importers map only `[offset, offset + size)`.
+    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
+        let call = CallKind::Export;
+        let mut st = self.lock();
+        let st = &mut *st;
+        let chunk = match st.chunks.get_mut(&handle.0) {
+            Some(c) if !c.released => c,
+            _ => {
+                return Err(err(
+                    call,
+                    code::INVALID_HANDLE,
+                    format!("export_chunk: chunk {} is unknown or released", handle.0),
+                ))
+            }
+        };
+        if chunk.size != size as u64 {
+            return Err(err(
+                call,
+                code::INVALID_VALUE,
+                format!(
+                    "export_chunk: size {size} differs from chunk {}'s {}",
+                    handle.0, chunk.size
+                ),
+            ));
+        }
+        let file = chunk.imported.as_deref().unwrap_or(&st.fd);
+        let fd = file.try_clone().map_err(|e| os_err(call, "export_chunk: dup", e))?;
+        chunk.exported = true;
+        Ok(SharedChunk { fd, offset: chunk.offset, size: chunk.size })
+    }
+
+    fn import_chunk(&self, shared: &SharedChunk) -> DriverResult<ChunkHandle> {
+        let call = CallKind::Import;
+        let (offset, size) = (shared.offset, shared.size);
+        let ps = self.page_size as u64;
+        if size == 0 || size % ps != 0 || offset % ps != 0 {
+            return Err(err(
+                call,
+                code::INVALID_VALUE,
+                format!(
+                    "import_chunk: offset {offset} and size {size} must be multiples of the \
+                     granularity {ps}, the size non-zero"
+                ),
+            ));
+        }
+        let len = sys::file_len(&shared.fd).map_err(|e| os_err(call, "import_chunk: fstat", e))?;
+        if offset.checked_add(size).map_or(true, |end| end > len) {
+            return Err(err(
+                call,
+                code::INVALID_VALUE,
+                format!("import_chunk: [{offset}, +{size}) is past the file's end ({len} bytes)"),
+            ));
+        }
+        let fd = shared.fd.try_clone().map_err(|e| os_err(call, "import_chunk: dup", e))?;
+        let mut st = self.lock();
+        let id = st.next_chunk;
+        st.next_chunk += 1;
+        st.chunks.insert(id, Chunk { imported: Some(Arc::new(fd)), ..Chunk::new(offset, size) });
+        Ok(ChunkHandle(id))
+    }
+
+    fn shareable(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for HostDriver {
@@ -957,6 +1044,11 @@ mod sys {
         }
         // SAFETY: `fd` was just opened and is owned by nothing else.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// The size of `fd`'s file.
+    pub(super) fn file_len(fd: &OwnedFd) -> io::Result<u64> {
+        Ok(std::fs::File::from(fd.try_clone()?).metadata()?.len())
     }
 
     pub(super) fn set_len(fd: &OwnedFd, len: u64) -> io::Result<()> {

@@ -8,6 +8,7 @@ pub mod cuda;
 pub mod host;
 
 use std::fmt;
+use std::os::fd::OwnedFd;
 
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::Mutex;
@@ -82,11 +83,15 @@ pub enum CallKind {
     StreamIsCapturing,
     /// `cuDeviceCanAccessPeer`, checking a peer for [`Driver::set_peers`].
     PeerAccess,
+    /// `cuMemExportToShareableHandle`.
+    Export,
+    /// `cuMemImportFromShareableHandle`.
+    Import,
 }
 
 impl CallKind {
     /// Every kind, in counter order.
-    pub const ALL: [CallKind; 18] = [
+    pub const ALL: [CallKind; 20] = [
         CallKind::MemInfo,
         CallKind::Reserve,
         CallKind::FreeReservation,
@@ -105,6 +110,8 @@ impl CallKind {
         CallKind::EventSynchronize,
         CallKind::StreamIsCapturing,
         CallKind::PeerAccess,
+        CallKind::Export,
+        CallKind::Import,
     ];
 
     /// The driver function this kind stands for.
@@ -128,6 +135,8 @@ impl CallKind {
             CallKind::EventSynchronize => "cuEventSynchronize",
             CallKind::StreamIsCapturing => "cuStreamIsCapturing",
             CallKind::PeerAccess => "cuDeviceCanAccessPeer",
+            CallKind::Export => "cuMemExportToShareableHandle",
+            CallKind::Import => "cuMemImportFromShareableHandle",
         }
     }
 
@@ -152,6 +161,8 @@ impl CallKind {
             CallKind::EventSynchronize => "event_synchronize",
             CallKind::StreamIsCapturing => "stream_is_capturing",
             CallKind::PeerAccess => "peer_access",
+            CallKind::Export => "export",
+            CallKind::Import => "import",
         }
     }
 }
@@ -182,6 +193,20 @@ pub mod code {
     pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
     /// `CUDA_ERROR_UNKNOWN`: what an injected failure reports.
     pub const UNKNOWN: i32 = 999;
+}
+
+/// A chunk shared with other processes: a file descriptor that names its physical memory, and
+/// where in that file the chunk lies. On CUDA the descriptor is `cuMemExportToShareableHandle`'s
+/// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) and names the chunk alone, at offset 0; on the
+/// host backend it is the backend's memfd, and the chunk is `[offset, offset + size)` of it.
+#[derive(Debug)]
+pub struct SharedChunk {
+    /// The descriptor; whoever holds it may import the chunk.
+    pub fd: OwnedFd,
+    /// Where the chunk starts in the descriptor's file (0 on CUDA).
+    pub offset: u64,
+    /// The chunk's size in bytes.
+    pub size: u64,
 }
 
 /// A failed driver call: which call, the driver's status code, and what went wrong.
@@ -304,6 +329,32 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
         let _ = stream;
         Ok(None)
+    }
+    /// Exports chunk `handle` (of `size` bytes) for another process. The chunk's memory then
+    /// lives until this process releases the chunk and every importer has released its own
+    /// handle, whichever comes last. Fails with `NOT_SUPPORTED` when the chunk was created
+    /// without a shareable handle type (`Driver::shareable`).
+    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
+        let _ = (handle, size);
+        Err(DriverError::new(
+            CallKind::Export,
+            code::NOT_SUPPORTED,
+            "this backend cannot share memory with other processes",
+        ))
+    }
+    /// Imports a chunk another process exported: a handle of this driver's, mapped, given
+    /// access and released like one `create_chunk` made. The descriptor stays the caller's.
+    fn import_chunk(&self, chunk: &SharedChunk) -> DriverResult<ChunkHandle> {
+        let _ = chunk;
+        Err(DriverError::new(
+            CallKind::Import,
+            code::NOT_SUPPORTED,
+            "this backend cannot share memory with other processes",
+        ))
+    }
+    /// Whether the chunks `create_chunk` makes can be exported.
+    fn shareable(&self) -> bool {
+        false
     }
 }
 
@@ -601,6 +652,17 @@ impl<D: Driver> Driver for Instrumented<D> {
     fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
         self.enter(CallKind::StreamIsCapturing)?;
         self.inner.capture_id(stream)
+    }
+    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
+        self.enter(CallKind::Export)?;
+        self.inner.export_chunk(handle, size)
+    }
+    fn import_chunk(&self, chunk: &SharedChunk) -> DriverResult<ChunkHandle> {
+        self.enter(CallKind::Import)?;
+        self.inner.import_chunk(chunk)
+    }
+    fn shareable(&self) -> bool {
+        self.inner.shareable()
     }
 }
 

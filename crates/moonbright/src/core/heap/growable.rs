@@ -91,7 +91,7 @@ impl Heap {
         })
     }
 
-    fn live_growable(&self, ptr: u64) -> Result<&Growable> {
+    pub(super) fn live_growable(&self, ptr: u64) -> Result<&Growable> {
         match self.growables.get(&ptr) {
             Some(g) if !g.released => Ok(g),
             _ if self.recent_free_gen.contains_key(&ptr) => Err(Error::Released { ptr }),

@@ -1,0 +1,252 @@
+//! Sharing allocations between processes (`Allocator::export`, `Export::send`/`recv`,
+//! `Allocator::import`/`close_import`) on the host backend, whose chunks live in a memfd that
+//! another process can map: the same bytes seen from both sides, in this process and in a child
+//! process; every refusal; and every driver failure on the way, with nothing left behind.
+#![cfg(not(miri))]
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+
+use moonbright::{Allocator, CallKind, Error, Export, Options};
+
+const PAGE: usize = 64 << 10;
+
+/// A host allocator capped at `pages` pages.
+fn host(pages: u64) -> Allocator {
+    let bytes = pages * PAGE as u64;
+    Allocator::new(Options { cap_bytes: Some(bytes), ..Options::host(bytes, PAGE) }).unwrap()
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// An allocation of `pages` pages stitched from that many chunks scattered over the pool: the
+/// cap leaves no room but the pages freed between live ones.
+fn stitched(a: &Allocator, pages: usize) -> u64 {
+    let singles: Vec<u64> = (0..2 * pages).map(|_| a.malloc(PAGE).unwrap()).collect();
+    for p in singles.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    a.malloc(pages * PAGE).unwrap()
+}
+
+/// Sends `export` through a socket pair and returns what came out the other end.
+fn through_socket(export: &Export) -> Export {
+    let (x, y) = UnixStream::pair().unwrap();
+    export.send(&x).unwrap();
+    Export::recv(&y).unwrap()
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[test]
+fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
+    let a = host(8);
+    let b = host(8);
+    let p = stitched(&a, 4);
+    let len = 4 * PAGE - 1000;
+    a.write(p, &pattern(len, 1)).unwrap();
+    let export = a.export(p).unwrap();
+    assert_eq!(export.chunks().len(), 4, "stitched from four chunks");
+    assert_eq!((export.size(), export.offset(), export.backend()), (4 * PAGE as u64, 0, "host"));
+    let q = b.import(&through_socket(&export)).unwrap();
+    assert_ne!(q, p);
+    let mut seen = vec![0u8; len];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(len, 1));
+    b.write(q + 10, &pattern(5000, 9)).unwrap();
+    let mut back = vec![0u8; 5000];
+    a.read(p + 10, &mut back).unwrap();
+    assert_eq!(back, pattern(5000, 9), "the exporter sees the importer's writes");
+    assert_eq!(b.imports(), vec![(q, 4 * PAGE as u64)]);
+    assert_eq!(b.stats().allocated_bytes.current, 0, "an import is not the importer's memory");
+    let maps = b.driver().inner().as_host().unwrap().mapping_count();
+    b.close_import(q).unwrap();
+    assert_eq!(b.driver().inner().as_host().unwrap().mapping_count(), maps - 4);
+    assert!(b.imports().is_empty());
+    assert!(matches!(b.close_import(q), Err(Error::Ipc(_))), "a second close is refused");
+    a.free(p).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_below_a_page_and_growables_are_shared_too() {
+    let a = host(8);
+    let b = host(8);
+    let small: Vec<u64> = (0..3).map(|_| a.malloc(1000).unwrap()).collect();
+    a.write(small[2], &pattern(1000, 7)).unwrap();
+    let e = a.export(small[2]).unwrap();
+    assert_eq!((e.chunks().len(), e.size()), (1, 1000));
+    assert_ne!(e.offset(), 0, "the third block lies inside its arena's page");
+    let q = b.import(&through_socket(&e)).unwrap();
+    let mut seen = vec![0u8; 1000];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(1000, 7));
+    b.close_import(q).unwrap();
+
+    let g = a.reserve_growable(4 * PAGE).unwrap();
+    assert!(matches!(a.export(g), Err(Error::InvalidArgument(_))), "nothing committed yet");
+    a.resize(g, 2 * PAGE).unwrap();
+    a.write(g, &pattern(2 * PAGE, 3)).unwrap();
+    let e = a.export(g).unwrap();
+    let q = b.import(&through_socket(&e)).unwrap();
+    let mut seen = vec![0u8; 2 * PAGE];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(2 * PAGE, 3));
+    b.close_import(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_pointers_and_sharing_off_are_refused_and_change_nothing() {
+    let a = host(8);
+    let p = a.malloc(2 * PAGE).unwrap();
+    assert!(matches!(a.export(0xdead_0000), Err(Error::UnknownPointer { .. })));
+    assert!(matches!(a.export(p + 256), Err(Error::InteriorPointer { .. })));
+    a.free(p).unwrap();
+    assert!(matches!(a.export(p), Err(Error::DoubleFree { .. })));
+    let off = Allocator::new(Options { ipc: false, ..Options::host(8 * PAGE as u64, PAGE) });
+    let off = off.unwrap();
+    let q = off.malloc(PAGE).unwrap();
+    assert!(matches!(off.export(q), Err(Error::Ipc(m)) if m.contains("`ipc` is off")));
+    assert_eq!(off.stats().driver_calls.get(CallKind::Export), 0);
+    off.free(q).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_failed_export_closes_what_it_opened_and_keeps_the_allocation() {
+    let a = host(8);
+    let p = stitched(&a, 4);
+    let before = open_fds();
+    a.driver().fail_nth(CallKind::Export, 3, None);
+    match a.export(p) {
+        Err(Error::Driver(e)) => assert_eq!(e.call, CallKind::Export),
+        other => panic!("expected the injected failure, got {other:?}"),
+    }
+    assert_eq!(open_fds(), before, "the two descriptors exported before the failure are closed");
+    let e = a.export(p).unwrap();
+    drop(e);
+    assert_eq!(open_fds(), before);
+    a.free(p).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn every_failure_of_an_import_leaves_nothing_mapped_or_reserved() {
+    let a = host(8);
+    let p = stitched(&a, 4);
+    a.write(p, &pattern(4 * PAGE, 5)).unwrap();
+    let export = a.export(p).unwrap();
+    let b = host(8);
+    let host_b = || b.driver().inner().as_host().unwrap();
+    for (kind, nth) in [
+        (CallKind::Reserve, 1),
+        (CallKind::Import, 1),
+        (CallKind::Import, 3),
+        (CallKind::Map, 1),
+        (CallKind::Map, 4),
+        (CallKind::Release, 2),
+        (CallKind::SetAccess, 1),
+    ] {
+        let (maps, calls) = (host_b().mapping_count(), b.stats().driver_calls);
+        b.driver().fail_nth(kind, nth, None);
+        match b.import(&export) {
+            Err(Error::Driver(e)) => assert_eq!(e.call, kind),
+            other => panic!("{kind:?} #{nth}: expected its failure, got {other:?}"),
+        }
+        b.driver().clear_failures();
+        let made = b.stats().driver_calls.since(&calls);
+        assert_eq!(host_b().mapping_count(), maps, "{kind:?} #{nth}: a mapping stayed");
+        let reserved = made.get(CallKind::Reserve) - u64::from(kind == CallKind::Reserve);
+        assert_eq!(
+            reserved,
+            made.get(CallKind::FreeReservation),
+            "{kind:?} #{nth}: the reservation was not given back"
+        );
+        assert!(b.imports().is_empty());
+    }
+    // Nothing of it is lost: the next import works, and unmap failures keep it for a retry.
+    let q = b.import(&export).unwrap();
+    b.driver().fail_nth(CallKind::Unmap, 1, None);
+    assert!(matches!(b.close_import(q), Err(Error::Driver(_))));
+    assert_eq!(b.imports().len(), 1, "an import whose unmap failed is kept");
+    let mut seen = vec![0u8; 4 * PAGE];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(4 * PAGE, 5));
+    b.close_import(q).unwrap();
+    a.free(p).unwrap();
+}
+
+#[test]
+fn a_released_exported_chunk_keeps_its_bytes_for_the_importer() {
+    let a = host(8);
+    let b = host(8);
+    let p = a.malloc(PAGE).unwrap();
+    a.write(p, &pattern(PAGE, 2)).unwrap();
+    let e = a.export(p).unwrap();
+    let q = b.import(&e).unwrap();
+    // The exporter frees and gives its memory back; the importer's mapping still holds it
+    // (CUDA counts the importer's reference; the host backend never reuses exported offsets).
+    a.free(p).unwrap();
+    a.release_unused().unwrap();
+    let again = a.malloc(PAGE).unwrap();
+    a.write(again, &pattern(PAGE, 99)).unwrap();
+    let mut seen = vec![0u8; PAGE];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(PAGE, 2), "a released exported chunk is not given to a new one");
+    b.close_import(q).unwrap();
+    a.free(again).unwrap();
+}
+
+/// The child's half of `a_child_process_reads_and_writes_an_export`: run only when the parent
+/// names a socket.
+#[test]
+#[ignore = "the child process of a_child_process_reads_and_writes_an_export"]
+fn ipc_child() {
+    let Some(path) = std::env::var_os("MOONBRIGHT_IPC_TEST_SOCKET") else { return };
+    let mut s = UnixStream::connect(path).unwrap();
+    let b = host(8);
+    let e = Export::recv(&s).unwrap();
+    assert_ne!(e.pid(), std::process::id());
+    let q = b.import(&e).unwrap();
+    let mut seen = vec![0u8; e.size() as usize];
+    b.read(q, &mut seen).unwrap();
+    let ok = seen == pattern(seen.len(), 4);
+    b.write(q, &pattern(seen.len(), 8)).unwrap();
+    b.close_import(q).unwrap();
+    s.write_all(if ok { b"ok" } else { b"no" }).unwrap();
+}
+
+#[test]
+fn a_child_process_reads_and_writes_an_export() {
+    let dir = std::env::temp_dir().join(format!("moonbright-ipc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sock");
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ipc_child", "--ignored", "--nocapture"])
+        .env("MOONBRIGHT_IPC_TEST_SOCKET", &path)
+        .spawn()
+        .unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    let a = host(8);
+    let p = stitched(&a, 3);
+    let len = 3 * PAGE;
+    a.write(p, &pattern(len, 4)).unwrap();
+    a.export(p).unwrap().send(&s).unwrap();
+    let mut verdict = [0u8; 2];
+    s.read_exact(&mut verdict).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the child failed");
+    assert_eq!(&verdict, b"ok", "the child saw other bytes than the exporter wrote");
+    let mut back = vec![0u8; len];
+    a.read(p, &mut back).unwrap();
+    assert_eq!(back, pattern(len, 8), "the child's writes reached the exporter");
+    a.free(p).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
