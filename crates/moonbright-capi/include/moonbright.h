@@ -58,6 +58,11 @@
 #define MB_ERR_STREAM_CAPTURE 8
 
 /**
+ * Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
+ */
+#define MB_ERR_IPC 9
+
+/**
  * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
  */
 #define MB_BACKEND_AUTO 0
@@ -831,6 +836,44 @@ int mb_resize(struct mb_allocator *alloc, uint64_t ptr, size_t len);
  * `alloc` is NULL or a live handle from `mb_create`; `out` is NULL or valid for a write.
  */
 int mb_get_growable_info(struct mb_allocator *alloc, uint64_t ptr, struct mb_growable_info *out);
+
+/**
+ * Sends the live allocation at `ptr` over `socket_fd`, a connected Unix socket, to a process
+ * that calls `mb_ipc_recv`: its chunks travel as file descriptors (`SCM_RIGHTS`). The
+ * allocation must stay live until the receiver has closed its import (`mb_ipc_close`).
+ *
+ * Returns `MB_ERR_INVALID_POINTER` for a pointer that is not a live allocation, `MB_ERR_IPC`
+ * when sharing is off (option `ipc`) or the socket fails, `MB_ERR_DRIVER` when an export
+ * fails. The allocation is unchanged either way.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; a non-negative `socket_fd` is an open
+ * descriptor.
+ */
+int mb_ipc_send(struct mb_allocator *alloc, uint64_t ptr, int socket_fd);
+
+/**
+ * Receives an allocation `mb_ipc_send` sent over `socket_fd` and maps it on this allocator's
+ * device at addresses of its own; stores its address in `*out_ptr` and its size in
+ * `*out_size`. The memory is not this allocator's: `mb_ipc_close` unmaps it.
+ *
+ * Returns `MB_ERR_IPC` for a malformed message, a closed socket, or an export from another
+ * backend; `MB_ERR_DRIVER` when importing or mapping fails (nothing stays mapped).
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; a non-negative `socket_fd` is an open
+ * descriptor; `out_ptr` and `out_size` are NULL or valid for a write.
+ */
+int mb_ipc_recv(struct mb_allocator *alloc, int socket_fd, uint64_t *out_ptr, uint64_t *out_size);
+
+/**
+ * Unmaps memory `mb_ipc_recv` mapped. The unmap is immediate: work that uses it must have
+ * completed. Returns `MB_ERR_IPC` for an address that is not an import.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`.
+ */
+int mb_ipc_close(struct mb_allocator *alloc, uint64_t ptr);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -23,6 +23,9 @@ use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, 
 mod growable;
 pub use growable::*;
 
+mod ipc;
+pub use ipc::*;
+
 /// Success.
 pub const MB_OK: c_int = 0;
 /// A NULL pointer argument, a size of 0, or a bad option value (the last error names it).
@@ -43,6 +46,8 @@ pub const MB_ERR_NO_BACKEND: c_int = 6;
 pub const MB_ERR_INTERNAL: c_int = 7;
 /// A stream-ordered request on a stream being captured into a CUDA graph (refused).
 pub const MB_ERR_STREAM_CAPTURE: c_int = 8;
+/// Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
+pub const MB_ERR_IPC: c_int = 9;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
 pub const MB_BACKEND_AUTO: c_int = 0;
@@ -202,9 +207,11 @@ fn status_of(e: &Error) -> c_int {
     match e {
         Error::OutOfMemory { .. } | Error::AddressSpaceExhausted { .. } => MB_ERR_OUT_OF_MEMORY,
         Error::TooLarge { .. } | Error::BeyondCapacity { .. } => MB_ERR_TOO_LARGE,
-        Error::ZeroSize | Error::InvalidOption { .. } | Error::GrowableStreamUse { .. } => {
-            MB_ERR_INVALID_ARGUMENT
-        }
+        Error::ZeroSize
+        | Error::InvalidOption { .. }
+        | Error::GrowableStreamUse { .. }
+        | Error::InvalidArgument(_) => MB_ERR_INVALID_ARGUMENT,
+        Error::Ipc(_) => MB_ERR_IPC,
         Error::UnknownPointer { .. }
         | Error::DoubleFree { .. }
         | Error::InteriorPointer { .. }
