@@ -17,7 +17,8 @@ One allocator per CUDA device, process-wide, created at first use from the envir
 Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB GiB KB MB GB:
 ``cap:12GiB``), ``cap_fraction``, ``host_page_size``, ``host_capacity``, ``max_chunk``,
 ``large_chunk``, ``largest_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
-``peer_access`` (true|false),
+``peer_access`` (true|false), ``ipc`` (true|false: chunks can be sent to other processes,
+:mod:`moonbright.ipc`),
 ``validate`` (true|false).
 
 PyTorch: see :mod:`moonbright.torch` (``moonbright.torch.enable()`` or
@@ -47,7 +48,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from . import _moonbright
+from . import _moonbright, ipc
 from ._moonbright import (
     CONF_KEYS,
     ENV_VAR,
@@ -111,6 +112,7 @@ __all__ = [
     "graph_pool_free",
     "graph_pool_live",
     "graph_replayed",
+    "ipc",
     "is_initialized",
     "last_error",
     "library_path",

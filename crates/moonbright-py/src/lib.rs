@@ -638,6 +638,62 @@ fn peers(device: Option<i32>) -> PyResult<Vec<i32>> {
     Ok(get(device)?.peers())
 }
 
+/// Sends the live MoonBright allocation at `ptr` to another process over `socket_fd`, a
+/// connected Unix socket (`socket.fileno()`): its chunks travel as file descriptors. The
+/// allocation must stay live until the receiver has closed it. `device=None` means the
+/// allocator that holds `ptr`. Raises RuntimeError for a pointer that is not a live allocation,
+/// with sharing off (option `ipc`), or when the socket fails.
+#[pyfunction]
+#[pyo3(signature = (ptr, socket_fd, device=None))]
+fn ipc_send(py: Python<'_>, ptr: u64, socket_fd: i32, device: Option<i32>) -> PyResult<()> {
+    let a = match device {
+        None => match DEVICES.owner(ptr) {
+            Some((_, a)) => a,
+            None => get(None)?,
+        },
+        Some(d) => get(Some(d))?,
+    };
+    let socket = borrowed_socket(socket_fd)?;
+    py.allow_threads(|| a.export(ptr)?.send(socket)).map_err(|e| py_err(e.to_string()))
+}
+
+/// Receives an allocation `ipc_send` sent over `socket_fd` and maps it on `device`; returns its
+/// address and size. `ipc_close` unmaps it, once the work that uses it has completed.
+#[pyfunction]
+#[pyo3(signature = (socket_fd, device=None))]
+fn ipc_recv(py: Python<'_>, socket_fd: i32, device: Option<i32>) -> PyResult<(u64, u64)> {
+    let a = get(device)?;
+    let socket = borrowed_socket(socket_fd)?;
+    py.allow_threads(|| {
+        let e = moonbright::Export::recv(socket)?;
+        Ok((a.import(&e)?, e.size()))
+    })
+    .map_err(|e: Error| py_err(e.to_string()))
+}
+
+/// Unmaps memory `ipc_recv` mapped on `device`. The unmap is immediate.
+#[pyfunction]
+#[pyo3(signature = (ptr, device=None))]
+fn ipc_close(ptr: u64, device: Option<i32>) -> PyResult<()> {
+    get(device)?.close_import(ptr).map_err(|e| py_err(e.to_string()))
+}
+
+/// The imports `device`'s allocator holds, as (address, size).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn ipc_imports(device: Option<i32>) -> PyResult<Vec<(u64, u64)>> {
+    Ok(get(device)?.imports())
+}
+
+fn borrowed_socket(fd: i32) -> PyResult<std::os::fd::BorrowedFd<'static>> {
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!("socket descriptor {fd} is not open")));
+    }
+    // SAFETY: the caller passed an open descriptor (`socket.fileno()`) and holds the socket
+    // object for the whole call, which is the borrow's only use.
+    Ok(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })
+}
+
 /// The page size (mapping granularity) of `device`'s allocator.
 #[pyfunction]
 #[pyo3(signature = (device=None))]
@@ -821,6 +877,10 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<growable::Growable>()?;
     m.add_function(wrap_pyfunction!(configure, m)?)?;
+    m.add_function(wrap_pyfunction!(ipc_send, m)?)?;
+    m.add_function(wrap_pyfunction!(ipc_recv, m)?)?;
+    m.add_function(wrap_pyfunction!(ipc_close, m)?)?;
+    m.add_function(wrap_pyfunction!(ipc_imports, m)?)?;
     m.add_function(wrap_pyfunction!(parse_conf, m)?)?;
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

@@ -1,0 +1,154 @@
+"""Sharing MoonBright memory with other processes, over a connected Unix socket.
+
+An allocation is stitched from chunks; sending it sends one file descriptor per chunk
+(``SCM_RIGHTS``), and the receiver maps them back to back at addresses of its own: the same
+bytes, contiguous, in both processes. No copy is made, and nothing is shared but that
+allocation. ::
+
+    a, b = socket.socketpair()          # or a socket.AF_UNIX connection between processes
+    moonbright.ipc.send_tensor(a, x)    # x allocated by MoonBright (moonbright.torch.enable())
+    y = moonbright.ipc.recv_tensor(b)   # in the other process: a tensor over x's memory
+
+The rules are those of CUDA's own IPC (``cudaIpcGetMemHandle``): the sender keeps the
+allocation (the tensor) alive until every receiver is done with it, since MoonBright would
+otherwise reuse its memory; and writes on one side are seen on the other once the writer's
+stream work has completed (order it with your own synchronisation). A received tensor unmaps
+its memory when it is garbage collected, after waiting for its device's work to complete.
+
+The memory must be MoonBright's: a tensor from PyTorch's own allocator raises RuntimeError
+(send it with ``torch.multiprocessing`` instead). Option ``ipc:false`` turns sharing off.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any, Callable
+
+from . import _moonbright
+
+__all__ = ["Imported", "recv", "recv_tensor", "send", "send_tensor"]
+
+
+def send(sock: socket.socket, ptr: int, device: int | None = None) -> None:
+    """Sends the live MoonBright allocation at ``ptr`` (a tensor's
+    ``untyped_storage().data_ptr()``) over ``sock``. ``device=None``: whichever of this
+    process's allocators holds it."""
+    _moonbright.ipc_send(ptr, sock.fileno(), device)
+
+
+class Imported:
+    """Memory another process sent, mapped here: ``ptr`` and ``size`` (bytes). ``close()``
+    unmaps it at once, so the work that uses it must have completed; garbage collection closes
+    it too, after ``on_close`` (if set) has run. Exposes ``__cuda_array_interface__`` as
+    bytes."""
+
+    def __init__(self, ptr: int, size: int, device: int | None) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+        self.on_close: Callable[[], None] | None = None
+        self._open = True
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        if not self._open:
+            raise ValueError("the import is closed")
+        return {
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def close(self) -> None:
+        """Unmaps the memory (once; later calls do nothing)."""
+        if not self._open:
+            return
+        if self.on_close is not None:
+            self.on_close()
+        _moonbright.ipc_close(self.ptr, self.device)
+        self._open = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing can be raised from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Imported(ptr={self.ptr:#x}, size={self.size}, device={self.device}, {state})"
+
+
+def recv(sock: socket.socket, device: int | None = None) -> Imported:
+    """Receives an allocation :func:`send` sent, and maps it on ``device`` (``None``: the
+    current one)."""
+    ptr, size = _moonbright.ipc_recv(sock.fileno(), device)
+    return Imported(ptr, size, device)
+
+
+_HEADER = struct.Struct("<I")
+
+
+def _send_all(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            raise ConnectionError("the socket closed in the middle of a tensor's description")
+        out += part
+    return bytes(out)
+
+
+def send_tensor(sock: socket.socket, tensor: Any) -> None:
+    """Sends a CUDA tensor whose storage MoonBright allocated: its storage's memory, then its
+    dtype, shape, strides and offset, so that :func:`recv_tensor` rebuilds the same view."""
+    storage = tensor.untyped_storage()
+    send(sock, storage.data_ptr(), tensor.device.index)
+    meta = {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+        "offset": tensor.storage_offset(),
+        "nbytes": storage.nbytes(),
+    }
+    _send_all(sock, json.dumps(meta).encode())
+
+
+def recv_tensor(sock: socket.socket, device: int | None = None) -> Any:
+    """Receives a tensor :func:`send_tensor` sent: a view of the sender's memory on ``device``
+    (``None``: the current CUDA device). Its memory is unmapped when the tensor's storage is
+    freed, after ``torch.cuda.synchronize`` of that device."""
+    import torch
+
+    if device is None:
+        device = torch.cuda.current_device()
+    imported = recv(sock, device)
+    try:
+        (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+        meta = json.loads(_recv_exact(sock, n))
+        dtype = getattr(torch, meta["dtype"])
+        imported.on_close = lambda: torch.cuda.synchronize(device)
+        # The tensor holds `imported` until its storage is freed (PyTorch keeps a reference to
+        # the object whose __cuda_array_interface__ it wraps).
+        raw = torch.as_tensor(imported, device=f"cuda:{device}")
+    except BaseException:
+        imported.close()
+        raise
+    return (
+        raw[: meta["nbytes"]]
+        .view(dtype)
+        .as_strided(meta["shape"], meta["stride"], meta["offset"])
+    )

@@ -1,0 +1,114 @@
+"""moonbright.ipc on the host backend: an allocation sent over a Unix socket and mapped again,
+in this process and in a child process (the host backend's memory is a memfd, which crosses
+processes as CUDA's file descriptors do); refusals; closing."""
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import moonbright
+import moonbright.ipc
+from moonbright import _moonbright
+
+PAGE = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = ctypes.CDLL(moonbright.library_path())
+    lib.moonbright_alloc.restype = ctypes.c_void_p
+    lib.moonbright_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.moonbright_free.restype = None
+    lib.moonbright_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def pattern(n, seed):
+    return bytes((i * 31 + seed) & 0xFF for i in range(n))
+
+
+def test_an_allocation_round_trips_through_a_socket(lib):
+    p = lib.moonbright_alloc(3 * PAGE + 100, 0, None)
+    _moonbright._write(p, pattern(3 * PAGE + 100, 1))
+    a, b = socket.socketpair()
+    # A timeout makes Python's sockets non-blocking; MoonBright waits on them all the same.
+    a.settimeout(30)
+    b.settimeout(30)
+    moonbright.ipc.send(a, p)
+    imp = moonbright.ipc.recv(b)
+    assert imp.ptr != p and imp.size == 3 * PAGE + 100
+    assert _moonbright._read(imp.ptr, imp.size) == pattern(imp.size, 1)
+    _moonbright._write(imp.ptr + 5, b"written by the importer")
+    assert _moonbright._read(p + 5, 23) == b"written by the importer"
+    assert _moonbright.ipc_imports() == [(imp.ptr, imp.size)]
+    assert imp.__cuda_array_interface__["data"] == (imp.ptr, False)
+    imp.close()
+    imp.close()
+    assert imp.closed and _moonbright.ipc_imports() == []
+    with pytest.raises(ValueError):
+        imp.__cuda_array_interface__
+    with pytest.raises(RuntimeError, match="not an import"):
+        _moonbright.ipc_close(imp.ptr)
+    lib.moonbright_free(p, 0, 0, None)
+    moonbright.check_invariants()
+
+
+def test_garbage_collection_closes_an_import(lib):
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    a, b = socket.socketpair()
+    moonbright.ipc.send(a, p)
+    closed = []
+    imp = moonbright.ipc.recv(b)
+    imp.on_close = lambda: closed.append(True)
+    del imp
+    assert closed == [True] and _moonbright.ipc_imports() == []
+    lib.moonbright_free(p, 0, 0, None)
+
+
+def test_bad_pointers_sockets_and_messages_are_refused(lib):
+    a, b = socket.socketpair()
+    with pytest.raises(RuntimeError, match="unknown pointer"):
+        moonbright.ipc.send(a, 0x1234000)
+    with pytest.raises(ValueError):
+        _moonbright.ipc_send(0x1234000, -1)
+    a.sendall(b"this is not an export at all")
+    with pytest.raises(RuntimeError, match="malformed export"):
+        moonbright.ipc.recv(b)
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        moonbright.ipc.recv(b)
+    assert _moonbright.ipc_imports() == []
+
+
+def test_a_child_process_sees_and_changes_the_same_bytes(lib):
+    n = 5 * PAGE
+    p = lib.moonbright_alloc(n, 0, None)
+    _moonbright._write(p, pattern(n, 2))
+    parent, child = socket.socketpair()
+    code = textwrap.dedent(
+        f"""
+        import socket, moonbright.ipc
+        from moonbright import _moonbright
+        s = socket.socket(fileno={child.fileno()})
+        imp = moonbright.ipc.recv(s)
+        want = bytes((i * 31 + 2) & 0xFF for i in range({n}))
+        ok = _moonbright._read(imp.ptr, imp.size) == want
+        _moonbright._write(imp.ptr, b"child was here")
+        imp.close()
+        s.sendall(b"ok" if ok else b"no")
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()], env=os.environ)
+    child.close()
+    moonbright.ipc.send(parent, p)
+    verdict = parent.recv(2)
+    assert proc.wait(timeout=60) == 0
+    assert verdict == b"ok"
+    assert _moonbright._read(p, 14) == b"child was here"
+    lib.moonbright_free(p, 0, 0, None)
+    moonbright.check_invariants()
