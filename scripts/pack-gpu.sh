@@ -12,7 +12,7 @@ cp target/release/libmoonbright_preload.so carry/lib/
 cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json, shutil
 names = {"moonbright": "unit", "conformance": "conformance", "faults": "faults", "streams": "streams",
-         "capture": "capture", "growable": "growable", "paged": "paged"}
+         "capture": "capture", "growable": "growable", "paged": "paged", "ipc": "ipc"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in names:
