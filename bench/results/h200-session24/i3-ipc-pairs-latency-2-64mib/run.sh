@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 24, i3: the cross-process round trip against cudaIpc (bench/ipc_pairs.py; the socket
+# wait fixed), then the latency benchmark at 2 and 64 MiB with chunks now created shareable.
+r=$OUT/r; mkdir -p $r
+SITE=${SITE:-$SITE}; export SITE PYTHONPATH=$SITE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+source scripts/nvrtc-env.sh >/dev/null
+python3 -m pip install -q --upgrade --no-index --no-deps --target $SITE carry/wheel/moonbright-*.whl 2>&1 | grep -v WARNING
+export MOONBRIGHT_ALLOC_CONF=""
+SECONDS=0
+timeout 200 python3 bench/ipc_pairs.py --json $r/ipc_pairs.json > $r/ipc_pairs.log 2>&1; echo "pairs rc=$?" >> $r/ipc_pairs.log
+tail -c 3000 $r/ipc_pairs.log; echo "(${SECONDS}s)"
+timeout 250 carry/bin/latency --sizes 2097152,67108864 --no-kernel --no-chunks --json $r/latency.json > $r/latency.log 2>&1; echo "latency rc=$?" >> $r/latency.log
+grep -iE "cold|raw|rc=" $r/latency.log | head -30; echo "(${SECONDS}s)"
+cp carry/g3.sh $r/run.sh
+cd $OUT && tar czf r.tgz r && rm -rf r
