@@ -2,7 +2,6 @@
 in this process and in a child process (the host backend's memory is a memfd, which crosses
 processes as CUDA's file descriptors do); refusals; closing."""
 
-import ctypes
 import os
 import socket
 import subprocess
@@ -16,16 +15,6 @@ import moonbright.ipc
 from moonbright import _moonbright
 
 PAGE = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def lib():
-    lib = ctypes.CDLL(moonbright.library_path())
-    lib.moonbright_alloc.restype = ctypes.c_void_p
-    lib.moonbright_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    lib.moonbright_free.restype = None
-    lib.moonbright_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    return lib
 
 
 def pattern(n, seed):

@@ -1,6 +1,5 @@
 """CPU tests of the moonbright package on the host backend (no GPU, no PyTorch needed)."""
 
-import ctypes
 import os
 import pickle
 import subprocess
@@ -12,16 +11,6 @@ import pytest
 import moonbright
 
 PAGE = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def lib():
-    lib = ctypes.CDLL(moonbright.library_path())
-    lib.moonbright_alloc.restype = ctypes.c_void_p
-    lib.moonbright_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    lib.moonbright_free.restype = None
-    lib.moonbright_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    return lib
 
 
 def run_py(code, conf=None):

@@ -307,8 +307,9 @@ pub struct CudaDriver {
     releases: std::sync::atomic::AtomicU64,
 }
 
-/// Descriptors `CudaDriver::exported` keeps at most; past it, exports are not kept.
-const EXPORTS_KEPT: usize = 1024;
+/// Descriptors `CudaDriver::exported` keeps at most (they count against the process's limit on
+/// open files, often 1,024); past it, exports are not kept.
+const EXPORTS_KEPT: usize = 256;
 
 // Every method is usable from any thread (the primary context is made current on demand).
 const _: fn() = || {
