@@ -17,18 +17,36 @@ its memory when it is garbage collected, after waiting for its device's work to 
 
 The memory must be MoonBright's: a tensor from PyTorch's own allocator raises RuntimeError
 (send it with ``torch.multiprocessing`` instead). Option ``ipc:false`` turns sharing off.
+
+``multiprocessing`` carries the same through its own pickling: a :class:`Shareable` (any
+allocation) arrives as an :class:`Imported`, and once :func:`enable_torch_multiprocessing` has
+run (``moonbright.torch.enable()`` runs it) a CUDA tensor MoonBright allocated, put on a
+``torch.multiprocessing`` queue or passed to a process, arrives as a tensor over the same
+memory, where PyTorch's own CUDA sharing (``cudaIpcGetMemHandle``) cannot take it.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing.context
+import multiprocessing.util
+import os
 import socket
 import struct
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable
 
 from . import _moonbright
 
-__all__ = ["Imported", "recv", "recv_tensor", "send", "send_tensor"]
+__all__ = [
+    "Imported",
+    "Shareable",
+    "enable_torch_multiprocessing",
+    "recv",
+    "recv_tensor",
+    "send",
+    "send_tensor",
+]
 
 
 def send(sock: socket.socket, ptr: int, device: int | None = None) -> None:
@@ -115,16 +133,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def send_tensor(sock: socket.socket, tensor: Any) -> None:
     """Sends a CUDA tensor whose storage MoonBright allocated: its storage's memory, then its
     dtype, shape, strides and offset, so that :func:`recv_tensor` rebuilds the same view."""
-    storage = tensor.untyped_storage()
-    send(sock, storage.data_ptr(), tensor.device.index)
-    meta = {
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-        "shape": list(tensor.shape),
-        "stride": list(tensor.stride()),
-        "offset": tensor.storage_offset(),
-        "nbytes": storage.nbytes(),
-    }
-    _send_all(sock, json.dumps(meta).encode())
+    send(sock, tensor.untyped_storage().data_ptr(), tensor.device.index)
+    _send_all(sock, json.dumps(_tensor_meta(tensor)).encode())
 
 
 def recv_tensor(sock: socket.socket, device: int | None = None) -> Any:
@@ -139,6 +149,30 @@ def recv_tensor(sock: socket.socket, device: int | None = None) -> Any:
     try:
         (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
         meta = json.loads(_recv_exact(sock, n))
+    except BaseException:
+        imported.close()
+        raise
+    return _tensor_over(imported, meta)
+
+
+def _tensor_meta(tensor: Any) -> dict[str, Any]:
+    return {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+        "offset": tensor.storage_offset(),
+        "nbytes": tensor.untyped_storage().nbytes(),
+        "requires_grad": bool(tensor.requires_grad),
+        "parameter": type(tensor).__name__ == "Parameter",
+    }
+
+
+def _tensor_over(imported: Imported, meta: dict[str, Any]) -> Any:
+    """A tensor over an import's memory, as `meta` describes it; it owns the import."""
+    import torch
+
+    device = imported.device
+    try:
         dtype = getattr(torch, meta["dtype"])
         imported.on_close = lambda: torch.cuda.synchronize(device)
         # The tensor holds `imported` until its storage is freed (PyTorch keeps a reference to
@@ -147,8 +181,99 @@ def recv_tensor(sock: socket.socket, device: int | None = None) -> Any:
     except BaseException:
         imported.close()
         raise
-    return (
-        raw[: meta["nbytes"]]
-        .view(dtype)
-        .as_strided(meta["shape"], meta["stride"], meta["offset"])
-    )
+    t = raw[: meta["nbytes"]].view(dtype).as_strided(meta["shape"], meta["stride"], meta["offset"])
+    if meta.get("parameter"):
+        return torch.nn.Parameter(t, requires_grad=meta.get("requires_grad", True))
+    return t.requires_grad_(meta.get("requires_grad", False))
+
+
+# ---- through multiprocessing's pickling -----------------------------------------------------
+
+
+def _export_for_pickle(ptr: int, device: int | None) -> tuple[bytes, list[DupFd]]:
+    """The export of `ptr` with its descriptors as multiprocessing's `DupFd`s, which reach the
+    unpickling process however it gets the pickle (a queue's or a new process's)."""
+    data, fds = _moonbright.ipc_export(ptr, device)
+    try:
+        return data, [_dup_fd(fd) for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _dup_fd(fd: int) -> Any:
+    """``DupFd(fd)``, which may then be closed. A queue's pickling copies the descriptor at
+    once; a new process's (spawn, forkserver) only names it, to be passed when the process
+    starts, so a copy of it is kept until the process's ``Popen`` object is collected."""
+    popen = multiprocessing.context.get_spawning_popen()
+    if popen is None:
+        return DupFd(fd)
+    kept = os.dup(fd)
+    multiprocessing.util.Finalize(popen, os.close, args=(kept,))
+    return DupFd(kept)
+
+
+def _import_from_pickle(data: bytes, dups: list[DupFd], device: int | None) -> Imported:
+    fds = [d.detach() for d in dups]
+    try:
+        ptr, size = _moonbright.ipc_import(data, fds, device)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return Imported(ptr, size, device)
+
+
+class Shareable:
+    """A MoonBright allocation to pickle for another process through ``multiprocessing`` (a
+    queue, a pipe, a new process's arguments): it arrives there as an :class:`Imported`,
+    mapped on ``device`` (``None``: the receiver's current device). The rules of :func:`send`
+    hold: the allocation stays live until the receiver is done."""
+
+    def __init__(self, ptr: int, device: int | None = None) -> None:
+        self.ptr = ptr
+        self.device = device
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        data, dups = _export_for_pickle(self.ptr, self.device)
+        return (_import_from_pickle, (data, dups, None))
+
+
+def _rebuild_tensor(data: bytes, dups: list[DupFd], meta: dict[str, Any]) -> Any:
+    import torch
+
+    return _tensor_over(_import_from_pickle(data, dups, torch.cuda.current_device()), meta)
+
+
+def _reduce_tensor(tensor: Any, fallback: Callable[[Any], Any]) -> Any:
+    storage_ptr = tensor.untyped_storage().data_ptr() if tensor.is_cuda else 0
+    if not storage_ptr or _moonbright.ipc_owner(storage_ptr) is None:
+        return fallback(tensor)
+    data, dups = _export_for_pickle(storage_ptr, tensor.device.index)
+    return (_rebuild_tensor, (data, dups, _tensor_meta(tensor)))
+
+
+_torch_multiprocessing_enabled = False
+
+
+def enable_torch_multiprocessing() -> None:
+    """Makes ``torch.multiprocessing`` send CUDA tensors that MoonBright allocated through
+    :mod:`moonbright.ipc` (PyTorch's own sharing needs ``cudaIpcGetMemHandle``, which
+    virtual-memory allocations do not support); every other tensor goes PyTorch's way. The
+    receiving process needs ``moonbright`` installed; it rebuilds the tensor on its current
+    device. Calling it again does nothing."""
+    global _torch_multiprocessing_enabled
+    if _torch_multiprocessing_enabled:
+        return
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    fallback = reductions.reduce_tensor
+
+    def reduce(tensor: Any) -> Any:
+        return _reduce_tensor(tensor, fallback)
+
+    for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.parameter.Parameter):
+        ForkingPickler.register(cls, reduce)
+    _torch_multiprocessing_enabled = True

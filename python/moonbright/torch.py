@@ -38,6 +38,11 @@ Several GPUs in one process work: each GPU's allocator grants the others access 
 (copies between GPUs need it), and MoonBright's calls leave each thread's current device as
 PyTorch set it.
 
+Other processes: ``torch.multiprocessing`` sends CUDA tensors by PyTorch's own IPC, which its
+pluggable-allocator interface refuses; :func:`enable` installs :mod:`moonbright.ipc`'s
+reducer instead, so queues and process arguments carry MoonBright's tensors as mappings of the
+same memory (the sender keeps them alive while the receiver uses them, as with PyTorch's).
+
 Out of memory raises ``torch.OutOfMemoryError`` with MoonBright's message (what was asked, what
 is allocated, reserved and free, and the cap), and the process goes on: free tensors and
 allocate again. :func:`moonbright.last_error` holds the message too.
@@ -222,6 +227,7 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
     _patch_record_stream(torch)
     _patch_graphs(torch)
     _patch_graph_trees(torch)
+    moonbright.ipc.enable_torch_multiprocessing()
     _enabled = True
 
 

@@ -101,3 +101,59 @@ def test_a_child_process_sees_and_changes_the_same_bytes(lib):
     assert _moonbright._read(p, 14) == b"child was here"
     lib.moonbright_free(p, 0, 0, None)
     moonbright.check_invariants()
+
+
+MP_SCRIPT = '''
+import ctypes, multiprocessing as mp
+import moonbright, moonbright.ipc
+from moonbright import _moonbright
+
+N = {n}
+WANT = bytes((i * 31 + 3) & 0xFF for i in range(N))
+
+
+def check(imp, out, mark):
+    out.put(_moonbright._read(imp.ptr, imp.size) == WANT and imp.size == N)
+    _moonbright._write(imp.ptr, mark)
+    imp.close()
+
+
+def from_queue(q, out):
+    check(q.get(timeout=60), out, b"via a queue")
+
+
+def from_args(imp, out):
+    check(imp, out, b"via the args")
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    lib = ctypes.CDLL(moonbright.library_path())
+    lib.moonbright_alloc.restype = ctypes.c_void_p
+    lib.moonbright_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    p = lib.moonbright_alloc(N, 0, None)
+    _moonbright._write(p, WANT)
+    q, out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=from_queue, args=(q, out))
+    child.start()
+    q.put(moonbright.ipc.Shareable(p))
+    queued = out.get(timeout=60)
+    child.join(60)
+    seen_queue = _moonbright._read(p, 11)
+    _moonbright._write(p, WANT)
+    child = ctx.Process(target=from_args, args=(moonbright.ipc.Shareable(p), out))
+    child.start()
+    passed = out.get(timeout=60)
+    child.join(60)
+    print(queued, seen_queue == b"via a queue", passed, _moonbright._read(p, 12) == b"via the args")
+'''
+
+
+def test_multiprocessing_carries_a_shareable_through_a_queue_and_a_processs_args(tmp_path):
+    script = tmp_path / "mp_share.py"
+    script.write_text(MP_SCRIPT.format(n=3 * PAGE + 5))
+    r = subprocess.run(
+        [sys.executable, str(script)], env=os.environ, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"] * 4, r.stdout + r.stderr

@@ -191,14 +191,7 @@ impl Export {
         let mut fds = Vec::new();
         let mut prefix = [0u8; PREFIX];
         recv_exact(socket, &mut prefix, &mut fds)?;
-        if prefix[..8] != MAGIC {
-            return Err(bad_wire("not a MoonBright export (bad magic or version)".into()));
-        }
-        let body_len = u32::from_le_bytes(prefix[8..12].try_into().unwrap()) as usize;
-        let count = u32::from_le_bytes(prefix[12..16].try_into().unwrap()) as usize;
-        if count == 0 || count > MAX_CHUNKS || body_len != BODY_FIXED + 16 * count {
-            return Err(bad_wire(format!("{count} chunks in {body_len} bytes")));
-        }
+        let (body_len, count) = read_prefix(&prefix)?;
         let mut body = vec![0u8; body_len];
         recv_exact(socket, &mut body, &mut fds)?;
         while fds.len() < count {
@@ -213,6 +206,46 @@ impl Export {
         }
         Export::decode(&body, fds)
     }
+}
+
+impl Export {
+    /// The export as bytes and descriptors, for a transport of the caller's (Python's
+    /// `multiprocessing` sends descriptors its own way): what `send` writes, and the
+    /// descriptors, in order. [`Export::from_parts`] reverses it.
+    pub fn into_parts(self) -> (Vec<u8>, Vec<OwnedFd>) {
+        let bytes = self.encode();
+        (bytes, self.chunks.into_iter().map(|c| c.fd).collect())
+    }
+
+    /// An export from what [`Export::into_parts`] gave, checked as `recv` checks.
+    pub fn from_parts(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<Export> {
+        let prefix: &[u8; PREFIX] = bytes
+            .get(..PREFIX)
+            .and_then(|p| p.try_into().ok())
+            .ok_or_else(|| bad_wire(format!("{} bytes are too few", bytes.len())))?;
+        let (body_len, count) = read_prefix(prefix)?;
+        if bytes.len() != PREFIX + body_len || fds.len() != count {
+            return Err(bad_wire(format!(
+                "{} bytes and {} descriptors for {count} chunks",
+                bytes.len(),
+                fds.len()
+            )));
+        }
+        Export::decode(&bytes[PREFIX..], fds)
+    }
+}
+
+/// Checks the wire's prefix; returns the body's length and the descriptor count.
+fn read_prefix(prefix: &[u8; PREFIX]) -> Result<(usize, usize)> {
+    if prefix[..8] != MAGIC {
+        return Err(bad_wire("not a MoonBright export (bad magic or version)".into()));
+    }
+    let body_len = u32::from_le_bytes(prefix[8..12].try_into().unwrap()) as usize;
+    let count = u32::from_le_bytes(prefix[12..16].try_into().unwrap()) as usize;
+    if count == 0 || count > MAX_CHUNKS || body_len != BODY_FIXED + 16 * count {
+        return Err(bad_wire(format!("{count} chunks in {body_len} bytes")));
+    }
+    Ok((body_len, count))
 }
 
 fn bad_wire(reason: String) -> Error {
@@ -452,6 +485,25 @@ mod tests {
         );
         assert_eq!(d.counts().total(), 0);
         assert!(matches!(imports.close(&d, 0x1000), Err(Error::Ipc(_))));
+    }
+
+    #[test]
+    fn an_export_survives_its_parts_and_bad_parts_are_refused() {
+        let e = Export::new("host", 1, 3 << 20, 4096, chunks(2));
+        let (bytes, fds) = e.into_parts();
+        assert_eq!(fds.len(), 2);
+        let bad = |b: &[u8], n: usize| {
+            let fds = chunks(n).into_iter().map(|c| c.fd).collect();
+            matches!(Export::from_parts(b, fds), Err(Error::Ipc(_)))
+        };
+        assert!(bad(&bytes, 1), "a descriptor short");
+        assert!(bad(&bytes[..bytes.len() - 1], 2), "a byte short");
+        assert!(bad(&bytes[..10], 2), "no whole prefix");
+        let back = Export::from_parts(&bytes, fds).unwrap();
+        assert_eq!(
+            (back.size(), back.offset(), back.device(), back.chunks().len()),
+            (3 << 20, 4096, 1, 2)
+        );
     }
 
     #[test]

@@ -107,3 +107,70 @@ def test_tensors_cross_processes_both_ways():
     assert out["torch_allocated"] == 0, "the child's tensors are views of imported memory"
     assert out["small_after"] == [3.0, 5.0, 7.0], "the child's write reached the parent"
     assert out["base_after"], "the child zeroed exactly its strided view of the parent's tensor"
+
+
+MP_SCRIPT = """
+import gc, json
+import torch
+import torch.multiprocessing as tmp
+import moonbright, moonbright.torch
+
+
+def ref():
+    return torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+
+
+def child(q, out):
+    x, p, view = q.get(timeout=300)
+    out.put({
+        "x": bool(torch.equal(x, ref())),
+        "param": isinstance(p, torch.nn.Parameter) and p.requires_grad and bool((p == 1).all()),
+        "view": bool(torch.equal(view, ref().reshape(1024, 1024)[1::2, :7])),
+        "allocator_is_torchs": torch.cuda.memory_allocated() == 0,
+    })
+    x.mul_(3)
+    torch.cuda.synchronize()
+    del x, p, view
+    gc.collect()
+    out.put(len(moonbright._moonbright.ipc_imports()))
+
+
+if __name__ == "__main__":
+    moonbright.torch.enable()
+    ctx = tmp.get_context("spawn")
+    x = ref()
+    p = torch.nn.Parameter(torch.ones(1000, device="cuda"))
+    base = ref().reshape(1024, 1024)
+    try:
+        tmp.reductions.reduce_tensor(x)
+        own = "no error"
+    except Exception as e:  # PyTorch's own CUDA sharing, for the record
+        own = f"{type(e).__name__}: {e}"[:300]
+    q, out = ctx.Queue(), ctx.Queue()
+    c = ctx.Process(target=child, args=(q, out))
+    c.start()
+    q.put((x, p, base[1::2, :7]))
+    ok = out.get(timeout=300)
+    left = out.get(timeout=120)
+    c.join(120)
+    print(json.dumps({"ok": ok, "imports_left": left, "exitcode": c.exitcode,
+                      "x_after": bool(torch.equal(x, 3 * ref())), "torch_own": own}))
+"""
+
+
+def test_torch_multiprocessing_sends_moonbright_tensors(tmp_path):
+    script = tmp_path / "mp_torch.py"
+    script.write_text(MP_SCRIPT)
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["MOONBRIGHT_ALLOC_CONF"] = ""
+    r = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    print(f"\n{json.dumps(out)}")
+    assert out["exitcode"] == 0
+    assert out["ok"] == {"x": True, "param": True, "view": True, "allocator_is_torchs": True}
+    assert out["imports_left"] == 0, "the child's imports close with its tensors"
+    assert out["x_after"], "the child's write reached the parent"
