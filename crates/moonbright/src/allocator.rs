@@ -604,11 +604,12 @@ impl Allocator {
     /// peer). A device that cannot reach this one peer to peer is refused
     /// ([`CallKind::PeerAccess`](crate::CallKind::PeerAccess)), and so is any failure, with no
     /// peer added; allocations keep working. Requests that must map wait while it runs.
+    /// Imports ([`Allocator::import`]) are granted too.
     pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
         if self.device() == Some(peer) {
             return Ok(());
         }
-        self.shared.enable_peer_access(peer)
+        self.shared.enable_peer_access(peer, |driver| self.imports.grant(driver))
     }
 
     /// The devices granted access by [`Allocator::enable_peer_access`].

@@ -345,8 +345,8 @@ struct Imported {
     size: u64,
 }
 
-/// The imports an allocator holds, by the address it handed out. Locked only by import and
-/// close, never with the heap.
+/// The imports an allocator holds, by the address it handed out. Its lock is held across an
+/// import's, a close's and a grant's driver calls, never with the heap's.
 #[derive(Debug, Default)]
 pub(crate) struct Imports {
     map: Mutex<HashMap<DevicePtr, Imported>>,
@@ -361,6 +361,9 @@ impl Imports {
     /// there in order (each handle released once mapped: the mapping keeps the memory), access
     /// set once. Any failure undoes all of it and says which step failed.
     pub fn import(&self, driver: &dyn Driver, export: &Export) -> Result<DevicePtr> {
+        // Held throughout, so that `grant` sees every import whose access was set before the
+        // driver's peer list changed.
+        let mut map = self.map();
         if export.backend != driver.name() {
             return Err(Error::Ipc(format!(
                 "an export of the {} backend cannot be imported on the {} backend",
@@ -400,8 +403,18 @@ impl Imports {
             return Err(e);
         }
         let ptr = base + export.offset;
-        self.map().insert(ptr, Imported { base, len, size: export.size });
+        map.insert(ptr, Imported { base, len, size: export.size });
         Ok(ptr)
+    }
+
+    /// Sets access again on every import, for the peers the driver's list has now
+    /// (`Allocator::enable_peer_access`).
+    pub fn grant(&self, driver: &dyn Driver) -> Result<()> {
+        let map = self.map();
+        for imp in map.values() {
+            driver.set_access(imp.base, imp.len)?;
+        }
+        Ok(())
     }
 
     /// Unmaps and forgets the import at `ptr`. If the unmap fails the import stays, to be

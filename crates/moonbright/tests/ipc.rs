@@ -250,3 +250,26 @@ fn a_child_process_reads_and_writes_an_export() {
     a.free(p).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_peer_enabled_after_an_import_reaches_it_and_a_failed_grant_adds_no_peer() {
+    let a = host(8);
+    let b = host(8);
+    let p = stitched(&a, 2);
+    let e = a.export(p).unwrap();
+    let q = b.import(&e).unwrap();
+    let len = 2 * PAGE as u64;
+    let host_b = || b.driver().inner().as_host().unwrap();
+    assert!(!host_b().peer_can_access(1, q, len));
+    // Heap memory first, then the import: fail the import's grant (b maps nothing else).
+    let own = b.malloc(PAGE).unwrap();
+    b.driver().fail_nth(CallKind::SetAccess, 2, None);
+    assert!(matches!(b.enable_peer_access(1), Err(Error::Driver(_))));
+    assert!(b.peers().is_empty(), "a failed grant adds no peer");
+    b.enable_peer_access(1).unwrap();
+    assert!(host_b().peer_can_access(1, q, len), "the import was granted to the new peer");
+    assert!(host_b().peer_can_access(1, own, PAGE as u64));
+    b.close_import(q).unwrap();
+    b.free(own).unwrap();
+    a.free(p).unwrap();
+}

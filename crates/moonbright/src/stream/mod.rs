@@ -128,7 +128,13 @@ impl Shared {
     /// later `set_access` names it, and every span mapped now is given access again with it.
     /// While it runs, requests that must map wait (cache and window hits do not). On a failure
     /// the peer is not added (spans already granted keep their access, which is harmless).
-    pub fn enable_peer_access(&self, peer: i32) -> Result<()> {
+    /// `others` grants the new peer access to mappings the heap does not know of (imports), once
+    /// the driver's list has it.
+    pub fn enable_peer_access(
+        &self,
+        peer: i32,
+        others: impl FnOnce(&dyn crate::driver::Driver) -> Result<()>,
+    ) -> Result<()> {
         let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
         if peers.contains(&peer) {
             return Ok(());
@@ -138,12 +144,15 @@ impl Shared {
         new.push(peer);
         self.driver.set_peers(&new)?;
         let spans = self.heap().mapped_spans();
-        for (va, len) in spans {
-            if let Err(e) = self.driver.set_access(va, len as usize) {
-                // Leaves the list as it was; `set_peers` accepted it a moment ago.
-                let _ = self.driver.set_peers(&old);
-                return Err(e.into());
-            }
+        let granted = spans
+            .into_iter()
+            .try_for_each(|(va, len)| self.driver.set_access(va, len as usize))
+            .map_err(Error::from)
+            .and_then(|()| others(&self.driver));
+        if let Err(e) = granted {
+            // Leaves the list as it was; `set_peers` accepted it a moment ago.
+            let _ = self.driver.set_peers(&old);
+            return Err(e);
         }
         *peers = new;
         Ok(())
