@@ -252,13 +252,30 @@ def _reduce_tensor(tensor: Any, fallback: Callable[[Any], Any]) -> Any:
     return (_rebuild_tensor, (data, dups, _tensor_meta(tensor)))
 
 
+def _rebuild_storage(data: bytes, dups: list[DupFd], nbytes: int) -> Any:
+    import torch
+
+    imported = _import_from_pickle(data, dups, torch.cuda.current_device())
+    meta = {"dtype": "uint8", "shape": [nbytes], "stride": [1], "offset": 0, "nbytes": nbytes}
+    return _tensor_over(imported, meta).untyped_storage()
+
+
+def _reduce_storage(storage: Any, fallback: Callable[[Any], Any]) -> Any:
+    ptr = storage.data_ptr() if storage.is_cuda else 0
+    if not ptr or _moonbright.ipc_owner(ptr) is None:
+        return fallback(storage)
+    data, dups = _export_for_pickle(ptr, storage.device.index)
+    return (_rebuild_storage, (data, dups, storage.nbytes()))
+
+
 _torch_multiprocessing_enabled = False
 
 
 def enable_torch_multiprocessing() -> None:
-    """Makes ``torch.multiprocessing`` send CUDA tensors that MoonBright allocated through
-    :mod:`moonbright.ipc` (PyTorch's own sharing needs ``cudaIpcGetMemHandle``, which
-    virtual-memory allocations do not support); every other tensor goes PyTorch's way. The
+    """Makes ``torch.multiprocessing`` send CUDA tensors (and untyped storages) that MoonBright
+    allocated through :mod:`moonbright.ipc` (PyTorch's own sharing needs
+    ``cudaIpcGetMemHandle``, which virtual-memory allocations do not support, and its
+    pluggable-allocator interface refuses it); every other tensor goes PyTorch's way. The
     receiving process needs ``moonbright`` installed; it rebuilds the tensor on its current
     device. Calling it again does nothing."""
     global _torch_multiprocessing_enabled
@@ -276,4 +293,9 @@ def enable_torch_multiprocessing() -> None:
 
     for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.parameter.Parameter):
         ForkingPickler.register(cls, reduce)
+
+    def reduce_storage(storage: Any) -> Any:
+        return _reduce_storage(storage, reductions.reduce_storage)
+
+    ForkingPickler.register(torch.UntypedStorage, reduce_storage)
     _torch_multiprocessing_enabled = True

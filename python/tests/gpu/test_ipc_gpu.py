@@ -121,16 +121,18 @@ def ref():
 
 
 def child(q, out):
-    x, p, view = q.get(timeout=300)
+    x, p, view, storage = q.get(timeout=300)
     out.put({
         "x": bool(torch.equal(x, ref())),
+        "storage": storage.is_cuda and storage.nbytes() == 4096
+        and bool((torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage) == 9).all()),
         "param": isinstance(p, torch.nn.Parameter) and p.requires_grad and bool((p == 1).all()),
         "view": bool(torch.equal(view, ref().reshape(1024, 1024)[1::2, :7])),
         "allocator_is_torchs": torch.cuda.memory_allocated() == 0,
     })
     x.mul_(3)
     torch.cuda.synchronize()
-    del x, p, view
+    del x, p, view, storage
     gc.collect()
     out.put(len(moonbright._moonbright.ipc_imports()))
 
@@ -149,7 +151,8 @@ if __name__ == "__main__":
     q, out = ctx.Queue(), ctx.Queue()
     c = ctx.Process(target=child, args=(q, out))
     c.start()
-    q.put((x, p, base[1::2, :7]))
+    s = torch.full((4096,), 9, dtype=torch.uint8, device="cuda").untyped_storage()
+    q.put((x, p, base[1::2, :7], s))
     ok = out.get(timeout=300)
     left = out.get(timeout=120)
     c.join(120)
@@ -171,6 +174,8 @@ def test_torch_multiprocessing_sends_moonbright_tensors(tmp_path):
     out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
     print(f"\n{json.dumps(out)}")
     assert out["exitcode"] == 0
-    assert out["ok"] == {"x": True, "param": True, "view": True, "allocator_is_torchs": True}
+    assert out["ok"] == {
+        "x": True, "storage": True, "param": True, "view": True, "allocator_is_torchs": True
+    }
     assert out["imports_left"] == 0, "the child's imports close with its tensors"
     assert out["x_after"], "the child's write reached the parent"
