@@ -576,3 +576,45 @@ fn a_routed_thread_fills_a_graph_pool_whose_live_set_is_read_and_set_back() {
         mb_destroy(a);
     }
 }
+
+#[test]
+fn ipc_send_recv_close_and_their_statuses() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    // SAFETY: every pointer passed is NULL where the test means it, else points to a live
+    // local or is a live handle from `mb_create`; the descriptors are the live sockets'.
+    unsafe {
+        let a = create(&host_options());
+        let b = create(&host_options());
+        let (x, y) = UnixStream::pair().unwrap();
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 3 << 20, &mut p), MB_OK, "{}", last_error());
+        assert_eq!(mb_ipc_send(a, p, x.as_raw_fd()), MB_OK, "{}", last_error());
+        let (mut q, mut size) = (0u64, 0u64);
+        assert_eq!(mb_ipc_recv(b, y.as_raw_fd(), &mut q, &mut size), MB_OK, "{}", last_error());
+        assert_eq!(size, 3 << 20);
+        assert_ne!(q, 0);
+        assert_eq!(stats(b).allocations.current, 0, "an import is not the importer's");
+        assert_eq!(mb_ipc_close(b, q), MB_OK, "{}", last_error());
+        assert_eq!(mb_ipc_close(b, q), MB_ERR_IPC);
+        assert!(last_error().contains("not an import"), "{}", last_error());
+
+        assert_eq!(mb_ipc_send(a, 0xdead_0000, x.as_raw_fd()), MB_ERR_INVALID_POINTER);
+        assert_eq!(mb_ipc_send(a, p, -1), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(mb_ipc_send(ptr::null_mut(), p, x.as_raw_fd()), MB_ERR_INVALID_ARGUMENT);
+        assert_eq!(
+            mb_ipc_recv(b, y.as_raw_fd(), ptr::null_mut(), &mut size),
+            MB_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(mb_ipc_recv(b, y.as_raw_fd(), &mut q, ptr::null_mut()), MB_ERR_INVALID_ARGUMENT);
+        (&x).write_all(b"not an export, not at all").unwrap();
+        assert_eq!(mb_ipc_recv(b, y.as_raw_fd(), &mut q, &mut size), MB_ERR_IPC);
+        assert!(last_error().contains("malformed"), "{}", last_error());
+        drop(x);
+        assert_eq!(mb_ipc_recv(b, y.as_raw_fd(), &mut q, &mut size), MB_ERR_IPC);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(mb_destroy(b), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
