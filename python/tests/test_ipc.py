@@ -74,6 +74,19 @@ def test_bad_pointers_sockets_and_messages_are_refused(lib):
     assert _moonbright.ipc_imports() == []
 
 
+def test_pickling_and_parts_refuse_bad_input_and_keep_nothing():
+    import pickle
+
+    with pytest.raises(RuntimeError, match="unknown pointer"):
+        pickle.dumps(moonbright.ipc.Shareable(0x1234000))
+    with pytest.raises(RuntimeError, match="malformed export"):
+        _moonbright.ipc_import(b"MBIPC but not really", [])
+    with pytest.raises(ValueError, match="not open"):
+        _moonbright.ipc_import(b"", [-1])
+    assert _moonbright.ipc_owner(0x1234000) is None
+    assert _moonbright.ipc_imports() == []
+
+
 def test_a_child_process_sees_and_changes_the_same_bytes(lib):
     n = 5 * PAGE
     p = lib.moonbright_alloc(n, 0, None)

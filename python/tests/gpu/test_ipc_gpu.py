@@ -86,18 +86,23 @@ print(json.dumps(res))
 """
 
 
-def test_tensors_cross_processes_both_ways():
+def run(args):
+    """Runs `python3 *args` with the GPU backend and returns the last JSON line it printed."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     # Not the CPU tests' host-backend configuration (conftest.py).
     env["MOONBRIGHT_ALLOC_CONF"] = ""
-    code = f"CHILD = {CHILD!r}\n" + textwrap.dedent(PARENT)
     r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
     print(f"\n{json.dumps(out)}")
+    return out
+
+
+def test_tensors_cross_processes_both_ways():
+    out = run(["-c", f"CHILD = {CHILD!r}\n" + textwrap.dedent(PARENT)])
     assert out["returncode"] == 0
     assert out["big"] and out["stitched"] and out["view"], out
     assert out["small"] == [1.5, 2.5, 3.5]
@@ -164,15 +169,7 @@ if __name__ == "__main__":
 def test_torch_multiprocessing_sends_moonbright_tensors(tmp_path):
     script = tmp_path / "mp_torch.py"
     script.write_text(MP_SCRIPT)
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    env["MOONBRIGHT_ALLOC_CONF"] = ""
-    r = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    out = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
-    print(f"\n{json.dumps(out)}")
+    out = run([str(script)])
     assert out["exitcode"] == 0
     assert out["ok"] == {
         "x": True, "storage": True, "param": True, "view": True, "allocator_is_torchs": True
