@@ -805,5 +805,8 @@ fn history_and_segments_describe_what_happened() {
     assert_eq!(block.addr + block.size, arena.addr + arena.size);
     assert_eq!(arena.blocks.iter().map(|b| b.size).sum::<u64>(), arena.size);
     assert_eq!(segs.iter().find(|s| s.addr == big).unwrap().kind, "cached");
+    // Requests on no stream show as the default stream's, as PyTorch shows `cudaMalloc`'s.
+    assert!(a.history().iter().all(|e| e.stream == 0), "{:?}", a.history());
+    assert_eq!(arena.stream, 0);
     a.free(small).unwrap();
 }

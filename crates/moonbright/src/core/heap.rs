@@ -10,7 +10,9 @@ use std::collections::{hash_map::Entry, BTreeMap, BTreeSet, VecDeque};
 use foldhash::{HashMap, HashMapExt};
 
 use super::chunks::Chunks;
-use super::history::{BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo};
+use super::history::{
+    shown_stream, BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo,
+};
 use super::mapping::{Executed, MapPlan};
 use super::pool::{chunk_plan, ChunkId, Pool};
 use super::stats::Stats;
@@ -1757,7 +1759,7 @@ impl Heap {
             out.push(SegmentInfo {
                 addr: va,
                 size,
-                stream: streams.get(&id).copied().unwrap_or(0),
+                stream: shown_stream(streams.get(&id).copied().unwrap_or(0)),
                 kind,
                 chunks: r.chunks.len(),
                 blocks: filled,

@@ -4,6 +4,8 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use super::streams::NO_STREAM;
+
 /// What happened, in PyTorch's trace vocabulary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HistoryAction {
@@ -44,10 +46,20 @@ pub struct HistoryEvent {
     pub addr: u64,
     /// Bytes (requested for allocations, mapped for segments).
     pub size: u64,
-    /// The stream, as the raw handle (0: default).
+    /// The stream, as the raw handle (0: default, and allocations made on no stream).
     pub stream: u64,
     /// Microseconds since the allocator was made.
     pub time_us: u64,
+}
+
+/// The stream a snapshot or history shows for the heap's stream `s`: the raw handle, and 0 (the
+/// default stream, as PyTorch shows memory from `cudaMalloc`) for requests made on no stream.
+pub(crate) fn shown_stream(s: u64) -> u64 {
+    if s == NO_STREAM {
+        0
+    } else {
+        s
+    }
 }
 
 /// A bounded ring of events.
@@ -68,6 +80,7 @@ impl History {
             self.events.pop_front();
         }
         let time_us = self.start.elapsed().as_micros() as u64;
+        let stream = shown_stream(stream);
         self.events.push_back(HistoryEvent { action, addr, size, stream, time_us });
     }
 

@@ -19,6 +19,12 @@ type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>
 
 use crate::driver::EventHandle;
 
+/// The heap's stream for requests on no stream (`malloc`, and a graph pool's new blocks): no
+/// real stream, so that they come only from memory no stream's pending work uses (`cudaMalloc`'s
+/// promise; a graph's replays are ordered with no stream's work). Snapshots and the history show
+/// it as 0 (`history::shown_stream`).
+pub(crate) const NO_STREAM: u64 = u64::MAX;
+
 /// Something freed on a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Pending {

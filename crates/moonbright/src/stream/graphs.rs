@@ -24,10 +24,7 @@ fn thread_token() -> u64 {
     TOKEN.with(|t| *t)
 }
 
-/// The heap's stream for requests on no stream (`malloc`, and a pool's new blocks): no real
-/// stream, so that they come only from memory no stream's pending work uses (`cudaMalloc`'s
-/// promise; a graph's replays are ordered with no stream's work).
-pub(super) const NO_STREAM: u64 = u64::MAX;
+pub(super) use crate::core::streams::NO_STREAM;
 
 impl Shared {
     /// Notes that the capture in progress on `stream` allocates into graph pool `pool`: until
