@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # libnvrtc for the paged kernels' compile test (no GPU needed): PyPI's nvidia-cuda-nvrtc in
-# target/nvrtc. If it cannot be installed, that test skips with a message.
+# target/nvrtc, pinned to the CUDA 13.0 release the H200 machine's driver runs (a newer NVRTC
+# makes PTX that driver cannot load). If it cannot be installed, that test skips with a message.
 ls target/nvrtc/nvidia/*/lib/libnvrtc.so* >/dev/null 2>&1 ||
-  python3 -m pip install -q --target target/nvrtc nvidia-cuda-nvrtc ||
+  python3 -m pip install -q --target target/nvrtc "nvidia-cuda-nvrtc==13.0.88" ||
   echo "could not install nvidia-cuda-nvrtc: the NVRTC compile test will skip"
 source scripts/nvrtc-env.sh
 cargo test --workspace --release
