@@ -11,7 +11,13 @@ its descriptor). Sizes: 2 MiB,
 64 MiB, 1 GiB (one chunk each under MoonBright's defaults) and 64 MiB stitched from 32
 scattered 2 MiB pages. Prints p50/p99 in µs and the ratios; writes JSON with --json.
 
+Under the LD_PRELOAD interposer (libmoonbright_preload.so) the CUDA side's cudaMalloc, cudaFree
+and cudaIpc* calls are taken from the process's global scope, that is the interposer's: its
+memory is then MoonBright's, and its handles the interposer's (the child runs it too), so that
+column measures what an unmodified program gets from the interposer's CUDA IPC.
+
     python3 bench/ipc_pairs.py --json out.json
+    LD_PRELOAD=libmoonbright_preload.so python3 bench/ipc_pairs.py --json preload.json
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ def cudart():
         if "libcudart.so" in line.split()[-1]
     )
     rt = ctypes.CDLL(path)
+    if interposed():
+        # The interposer's definitions: ctypes calls into libcudart directly would bypass it.
+        glob = ctypes.CDLL(None)
+        for name in ("cudaMalloc", "cudaFree", "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle",
+                     "cudaIpcCloseMemHandle"):
+            setattr(rt, name, getattr(glob, name))
     rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
     rt.cudaFree.argtypes = [ctypes.c_void_p]
     rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(Handle), ctypes.c_void_p]
@@ -49,6 +61,11 @@ def cudart():
     rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
     rt.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return rt
+
+
+def interposed():
+    """Whether the LD_PRELOAD interposer is in this process."""
+    return hasattr(ctypes.CDLL(None), "moonbright_preload_report")
 
 
 class Handle(ctypes.Structure):
@@ -195,9 +212,12 @@ def main() -> None:
     proc.wait(timeout=60)
     exports = moonbright.memory_stats()["moonbright.driver_calls.export"] - before
     per_rep = args.rounds * args.reps
-    print(f"{torch.cuda.get_device_name()}: {args.rounds} rounds x {args.reps} reps, µs")
+    via = "the interposer's" if interposed() else "the runtime's"
+    print(f"{torch.cuda.get_device_name()}: {args.rounds} rounds x {args.reps} reps, µs; "
+          f"cudaMalloc and cudaIpc* are {via}")
     print(f"{'size':>11} {'way':>11} {'round trip p50/p99':>20} {'open p50':>9} {'close p50':>10}")
-    out = {"gpu": torch.cuda.get_device_name(), "reps": per_rep, "exports_per_rep": {}, "us": {}}
+    out = {"gpu": torch.cuda.get_device_name(), "reps": per_rep, "exports_per_rep": {}, "us": {},
+           "cuda_ipc_via": "interposer" if interposed() else "runtime"}
     for name, _size in SIZES:
         for way in ("moonbright", "cudaIpc"):
             rt_ = samples[(name, way, "round_trip")]

@@ -23,13 +23,18 @@
 //! `cudaMallocAsync`/`cudaFreeAsync` are stream-ordered (MoonBright's `malloc_async` and
 //! `free_async`). Errors come back as `cudaError_t` (out of memory: `cudaErrorMemoryAllocation`)
 //! with MoonBright's message kept for `moonbright_preload_last_error`; no call panics across.
-//! Not interposed: IPC handles (`cudaIpcGetMemHandle` fails on virtual-memory allocations),
-//! the pitched, 3D, managed and pool allocation calls (they go to the runtime, and so do their
-//! frees).
+//! IPC handles of MoonBright's memory (`cudaIpcGetMemHandle`, `cudaIpcOpenMemHandle`,
+//! `cudaIpcCloseMemHandle`, which the runtime's own calls refuse on virtual-memory allocations)
+//! are MoonBright's: the handle names the exporting process's broker, which hands the importer
+//! the memory's file descriptors (`ipc.rs`); the importer must run the interposer too. Handles
+//! of other memory go to the runtime.
+//! Not interposed: the pitched, 3D, managed and pool allocation calls (they go to the runtime,
+//! and so do their frees).
 
+mod ipc;
 mod runtime;
 
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -37,6 +42,7 @@ use std::sync::Mutex;
 use moonbright::devices::{Devices, MAX_DEVICES};
 use moonbright::{conf, Allocator, BackendKind, Error, Options, StreamHandle};
 
+pub use ipc::{Handle, IpcMemHandle};
 pub use runtime::{code, Real, Runtime};
 
 /// `CU_STREAM_PER_THREAD`: what the null stream means in a `_ptsz` call.
@@ -50,6 +56,9 @@ pub struct Counts {
     pub passed_frees: AtomicU64,
     /// `cudaFree`s of MoonBright's memory, each after a device synchronisation.
     pub synchronous_frees: AtomicU64,
+    /// IPC handles of MoonBright's memory given out, and opened (a second open of one counts).
+    pub ipc_handles: AtomicU64,
+    pub ipc_opens: AtomicU64,
 }
 
 /// The interposer over a runtime `R` (the real one in the library, a fake in tests).
@@ -62,6 +71,7 @@ pub struct Interposer<R> {
     options: fn() -> Result<Options, String>,
     pub counts: Counts,
     last_error: Mutex<Option<String>>,
+    ipc: ipc::Broker,
 }
 
 fn env_options() -> Result<Options, String> {
@@ -111,8 +121,11 @@ impl<R: Runtime> Interposer<R> {
                 passed_allocs: AtomicU64::new(0),
                 passed_frees: AtomicU64::new(0),
                 synchronous_frees: AtomicU64::new(0),
+                ipc_handles: AtomicU64::new(0),
+                ipc_opens: AtomicU64::new(0),
             },
             last_error: Mutex::new(None),
+            ipc: ipc::Broker::new(),
         }
     }
 
@@ -226,10 +239,125 @@ impl<R: Runtime> Interposer<R> {
         };
         match r {
             Ok(()) => {
+                // A freed allocation's IPC handle is void.
+                self.ipc.forget(ptr as u64);
                 self.counts.served_frees.fetch_add(1, Ordering::Relaxed);
                 code::SUCCESS
             }
             Err(e) => self.fail(format!("device {device}: {e}"), code_of(&e)),
+        }
+    }
+
+    /// `cudaIpcGetMemHandle`: for MoonBright's allocation starting at `ptr`, a handle that
+    /// another process running the interposer opens (the same handle each time until the
+    /// allocation is freed); other memory's from the runtime. The first starts the process's
+    /// broker thread, which serves importers for as long as the process lives (so `'static`).
+    ///
+    /// # Safety
+    /// `out` is null or valid for a handle's write.
+    pub unsafe fn ipc_get_mem_handle(
+        &'static self,
+        out: *mut IpcMemHandle,
+        ptr: *mut c_void,
+    ) -> c_int {
+        if out.is_null() {
+            return self.fail("a null pointer for the handle".into(), code::INVALID_VALUE);
+        }
+        let ptr = ptr as u64;
+        let Some((device, a)) = (ptr != 0).then(|| self.devices.owner(ptr)).flatten() else {
+            // SAFETY: `out` is valid, as the caller guarantees.
+            return unsafe { self.runtime.ipc_get_mem_handle(out, ptr) };
+        };
+        let check = || a.export(ptr).map_err(|e| e.to_string());
+        let start = |listener| {
+            let serve = move || self.ipc.serve(listener, |p, d| self.export_for_ipc(p, d));
+            std::thread::Builder::new().name("moonbright-ipc".into()).spawn(serve).map(drop)
+        };
+        match self.ipc.handle(ptr, device as i32, check, start) {
+            Ok(h) => {
+                // SAFETY: `out` is valid, as the caller guarantees.
+                unsafe { *out = h };
+                self.counts.ipc_handles.fetch_add(1, Ordering::Relaxed);
+                code::SUCCESS
+            }
+            Err(m) => {
+                let m = format!("device {device}: cannot share {ptr:#x}: {m}");
+                self.fail(m, code::INVALID_VALUE)
+            }
+        }
+    }
+
+    /// The broker's export of the allocation at `ptr` on `device`, for one importer.
+    fn export_for_ipc(&self, ptr: u64, device: i32) -> Result<moonbright::ipc::Export, String> {
+        let a = self.devices.get(device).ok_or_else(|| format!("device {device}: no allocator"))?;
+        a.export(ptr).map_err(|e| e.to_string())
+    }
+
+    /// `cudaIpcOpenMemHandle`: a handle MoonBright wrote is fetched from its exporter and mapped
+    /// on the current device by its allocator; other handles go to the runtime. `flags` (peer
+    /// access) mean nothing to MoonBright: its import sets access for its device.
+    ///
+    /// # Safety
+    /// `out` is null or valid for a pointer's write.
+    pub unsafe fn ipc_open_mem_handle(
+        &self,
+        out: *mut *mut c_void,
+        handle: IpcMemHandle,
+        flags: c_uint,
+    ) -> c_int {
+        if out.is_null() {
+            return self.fail("a null pointer for the result".into(), code::INVALID_VALUE);
+        }
+        let Some(h) = Handle::decode(&handle) else {
+            // SAFETY: `out` is valid, as the caller guarantees.
+            return unsafe { self.runtime.ipc_open_mem_handle(out, handle, flags) };
+        };
+        let device = match self.runtime.get_device() {
+            Ok(d) => d,
+            Err(e) => return e,
+        };
+        let Some(a) = self.allocator(device) else {
+            return self.fail(
+                format!(
+                    "device {device}: a MoonBright IPC handle needs MoonBright's allocator, and \
+                     this device's could not be made"
+                ),
+                code::NOT_SUPPORTED,
+            );
+        };
+        let import = |e: &moonbright::ipc::Export| a.import(e).map_err(|e| e.to_string());
+        match self.ipc.open(&h, device, import) {
+            Ok(p) => {
+                // SAFETY: `out` is valid, as the caller guarantees.
+                unsafe { *out = p as *mut c_void };
+                self.counts.ipc_opens.fetch_add(1, Ordering::Relaxed);
+                code::SUCCESS
+            }
+            Err(ipc::Fetch::Unreachable(m)) => {
+                self.fail(format!("device {device}: {m}"), code::INVALID_RESOURCE_HANDLE)
+            }
+            Err(ipc::Fetch::Import(m)) => self.fail(
+                format!("device {device}: cannot map the memory of process {}: {m}", h.pid),
+                code::MAP_BUFFER_OBJECT_FAILED,
+            ),
+        }
+    }
+
+    /// `cudaIpcCloseMemHandle`: the last close of a MoonBright import unmaps it (at once: the
+    /// caller's work on it must have completed, as with the runtime's); a failed unmap keeps
+    /// it open. Other pointers go to the runtime.
+    pub fn ipc_close_mem_handle(&self, ptr: *mut c_void) -> c_int {
+        let ptr = ptr as u64;
+        let unmap = |device: i32| match self.devices.get(device) {
+            Some(a) => a.close_import(ptr).map_err(|e| format!("device {device}: {e}")),
+            None => Err(format!("device {device} has no allocator")),
+        };
+        match self.ipc.close(ptr, unmap) {
+            None => self.runtime.ipc_close_mem_handle(ptr),
+            Some(Ok(())) => code::SUCCESS,
+            Some(Err(m)) => {
+                self.fail(format!("cannot unmap import {ptr:#x}: {m}"), code::INVALID_VALUE)
+            }
         }
     }
 
@@ -298,6 +426,9 @@ impl<R: Runtime> Interposer<R> {
             "passed_allocs": c.passed_allocs.load(Ordering::Relaxed),
             "passed_frees": c.passed_frees.load(Ordering::Relaxed),
             "synchronous_frees": c.synchronous_frees.load(Ordering::Relaxed),
+            "ipc_handles": c.ipc_handles.load(Ordering::Relaxed),
+            "ipc_opens": c.ipc_opens.load(Ordering::Relaxed),
+            "ipc_exported": self.ipc.exported(),
             "devices": devices,
         })
         .to_string()
@@ -386,6 +517,36 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> 
         }
         Err(e) => e,
     })
+}
+
+/// The CUDA runtime's `cudaIpcGetMemHandle`; MoonBright's memory gets a handle of its own.
+///
+/// # Safety
+/// As the runtime's: `handle` is null or valid for a handle's write.
+#[no_mangle]
+pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut IpcMemHandle, ptr: *mut c_void) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.ipc_get_mem_handle(handle, ptr) })
+}
+
+/// The CUDA runtime's `cudaIpcOpenMemHandle`; a MoonBright handle is opened by MoonBright.
+///
+/// # Safety
+/// As the runtime's: `dev_ptr` is null or valid for a pointer's write.
+#[no_mangle]
+pub unsafe extern "C" fn cudaIpcOpenMemHandle(
+    dev_ptr: *mut *mut c_void,
+    handle: IpcMemHandle,
+    flags: c_uint,
+) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.ipc_open_mem_handle(dev_ptr, handle, flags) })
+}
+
+/// The CUDA runtime's `cudaIpcCloseMemHandle`; MoonBright's imports are unmapped by MoonBright.
+#[no_mangle]
+pub extern "C" fn cudaIpcCloseMemHandle(ptr: *mut c_void) -> c_int {
+    guard(|| PRELOAD.ipc_close_mem_handle(ptr))
 }
 
 /// The stream a `_ptsz` call means: the null stream is the thread's own.

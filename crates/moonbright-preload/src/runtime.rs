@@ -2,8 +2,10 @@
 //! (`Runtime`), and where it finds them in the process (`Real`): the definitions that the
 //! interposer's own `cudaMalloc` and the rest hide.
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
+
+use crate::ipc::IpcMemHandle;
 
 /// `cudaError_t` values the interposer returns itself.
 pub mod code {
@@ -12,6 +14,9 @@ pub mod code {
     pub const INVALID_VALUE: c_int = 1;
     pub const MEMORY_ALLOCATION: c_int = 2;
     pub const INITIALIZATION_ERROR: c_int = 3;
+    pub const MAP_BUFFER_OBJECT_FAILED: c_int = 205;
+    pub const INVALID_RESOURCE_HANDLE: c_int = 400;
+    pub const NOT_SUPPORTED: c_int = 801;
     pub const STREAM_CAPTURE_UNSUPPORTED: c_int = 900;
     pub const UNKNOWN: c_int = 999;
 }
@@ -29,6 +34,23 @@ pub trait Runtime: Sync {
     fn free(&self, ptr: u64, stream: Option<u64>) -> c_int;
     /// `cudaMemGetInfo`: the driver's free and total bytes of the current device.
     fn mem_get_info(&self) -> Result<(usize, usize), c_int>;
+    /// `cudaIpcGetMemHandle` of memory MoonBright does not own.
+    ///
+    /// # Safety
+    /// `out` is valid for a handle's write.
+    unsafe fn ipc_get_mem_handle(&self, out: *mut IpcMemHandle, ptr: u64) -> c_int;
+    /// `cudaIpcOpenMemHandle` of a handle MoonBright did not write.
+    ///
+    /// # Safety
+    /// `out` is valid for a pointer's write.
+    unsafe fn ipc_open_mem_handle(
+        &self,
+        out: *mut *mut c_void,
+        handle: IpcMemHandle,
+        flags: c_uint,
+    ) -> c_int;
+    /// `cudaIpcCloseMemHandle` of memory MoonBright did not import.
+    fn ipc_close_mem_handle(&self, ptr: u64) -> c_int;
 }
 
 type GetDevice = unsafe extern "C" fn(*mut c_int) -> c_int;
@@ -39,6 +61,9 @@ type Free = unsafe extern "C" fn(*mut c_void) -> c_int;
 type MallocAsync = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> c_int;
 type FreeAsync = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+type IpcGet = unsafe extern "C" fn(*mut IpcMemHandle, *mut c_void) -> c_int;
+type IpcOpen = unsafe extern "C" fn(*mut *mut c_void, IpcMemHandle, c_uint) -> c_int;
+type IpcClose = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 /// The runtime's functions, found together.
 struct Fns {
@@ -51,6 +76,10 @@ struct Fns {
     /// Absent before CUDA 11.2.
     malloc_async: Option<MallocAsync>,
     free_async: Option<FreeAsync>,
+    /// Absent where the runtime has no IPC (not on Linux builds).
+    ipc_get: Option<IpcGet>,
+    ipc_open: Option<IpcOpen>,
+    ipc_close: Option<IpcClose>,
 }
 
 /// The CUDA runtime loaded in this process (libcudart), found at the first call that needs it.
@@ -124,6 +153,12 @@ fn resolve(sym: impl Fn(&CStr) -> *mut c_void) -> Option<Fns> {
                 .map(|p| std::mem::transmute::<*mut c_void, MallocAsync>(p)),
             free_async: get(c"cudaFreeAsync")
                 .map(|p| std::mem::transmute::<*mut c_void, FreeAsync>(p)),
+            ipc_get: get(c"cudaIpcGetMemHandle")
+                .map(|p| std::mem::transmute::<*mut c_void, IpcGet>(p)),
+            ipc_open: get(c"cudaIpcOpenMemHandle")
+                .map(|p| std::mem::transmute::<*mut c_void, IpcOpen>(p)),
+            ipc_close: get(c"cudaIpcCloseMemHandle")
+                .map(|p| std::mem::transmute::<*mut c_void, IpcClose>(p)),
         })
     }
 }
@@ -197,6 +232,38 @@ impl Runtime for Real {
         }
     }
 
+    unsafe fn ipc_get_mem_handle(&self, out: *mut IpcMemHandle, ptr: u64) -> c_int {
+        match self.fns().map(|f| f.ipc_get) {
+            Err(e) => e,
+            Ok(None) => code::NOT_SUPPORTED,
+            // SAFETY: the caller gives a valid `out`; the runtime checks the pointer.
+            Ok(Some(get)) => unsafe { get(out, ptr as *mut c_void) },
+        }
+    }
+
+    unsafe fn ipc_open_mem_handle(
+        &self,
+        out: *mut *mut c_void,
+        handle: IpcMemHandle,
+        flags: c_uint,
+    ) -> c_int {
+        match self.fns().map(|f| f.ipc_open) {
+            Err(e) => e,
+            Ok(None) => code::NOT_SUPPORTED,
+            // SAFETY: the caller gives a valid `out`; the runtime checks the handle and flags.
+            Ok(Some(open)) => unsafe { open(out, handle, flags) },
+        }
+    }
+
+    fn ipc_close_mem_handle(&self, ptr: u64) -> c_int {
+        match self.fns().map(|f| f.ipc_close) {
+            Err(e) => e,
+            Ok(None) => code::NOT_SUPPORTED,
+            // SAFETY: the runtime checks the pointer, which is never dereferenced here.
+            Ok(Some(close)) => unsafe { close(ptr as *mut c_void) },
+        }
+    }
+
     fn free(&self, ptr: u64, stream: Option<u64>) -> c_int {
         let ptr = ptr as *mut c_void;
         let f = match self.fns() {
@@ -231,6 +298,10 @@ mod tests {
         assert_eq!(r.device_synchronize(), code::INITIALIZATION_ERROR);
         assert_eq!(r.free(0x1000, None), code::INITIALIZATION_ERROR);
         assert_eq!(r.mem_get_info(), Err(code::INITIALIZATION_ERROR));
+        assert_eq!(r.ipc_close_mem_handle(0x1000), code::INITIALIZATION_ERROR);
+        let mut h = IpcMemHandle { reserved: [0; 64] };
+        // SAFETY: `h` is valid for a handle's write.
+        assert_eq!(unsafe { r.ipc_get_mem_handle(&mut h, 0x1000) }, code::INITIALIZATION_ERROR);
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer.
         assert_eq!(unsafe { r.malloc(&mut p, 64, Some(0)) }, code::INITIALIZATION_ERROR);

@@ -1,123 +1,15 @@
 //! The interposer over a fake CUDA runtime and MoonBright's host backend: what it serves, what
 //! it passes on, how `cudaFree` waits for the device, and every failure path.
 
-use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Mutex;
+mod common;
 
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+use common::*;
 use moonbright::driver::Driver;
 use moonbright::Options;
-use moonbright_preload::{code, Interposer, Runtime};
-
-const MIB: usize = 1 << 20;
-
-/// What the fake runtime was asked.
-#[derive(Clone, Debug, PartialEq)]
-enum Call {
-    SetDevice(i32),
-    Synchronize(i32),
-    Malloc(usize, Option<u64>),
-    Free(u64, Option<u64>),
-}
-
-/// A CUDA runtime of one thread: a current device, pointers of its own from 0x1000 on, and
-/// failures on request.
-struct Fake {
-    device: AtomicI32,
-    calls: Mutex<Vec<Call>>,
-    /// The runtime's own allocations.
-    own: Mutex<Vec<u64>>,
-    fail_get_device: AtomicI32,
-    fail_sync: AtomicI32,
-    /// What `mem_get_info` reports: the driver's free and total bytes.
-    info: Mutex<(usize, usize)>,
-}
-
-impl Fake {
-    const fn new() -> Self {
-        Fake {
-            device: AtomicI32::new(0),
-            calls: Mutex::new(Vec::new()),
-            own: Mutex::new(Vec::new()),
-            fail_get_device: AtomicI32::new(0),
-            fail_sync: AtomicI32::new(0),
-            info: Mutex::new((0, 0)),
-        }
-    }
-    fn take(&self) -> Vec<Call> {
-        std::mem::take(&mut *self.calls.lock().unwrap())
-    }
-    fn log(&self, c: Call) {
-        self.calls.lock().unwrap().push(c);
-    }
-}
-
-impl Runtime for Fake {
-    fn mem_get_info(&self) -> Result<(usize, usize), c_int> {
-        Ok(*self.info.lock().unwrap())
-    }
-    fn get_device(&self) -> Result<i32, c_int> {
-        match self.fail_get_device.load(Ordering::SeqCst) {
-            0 => Ok(self.device.load(Ordering::SeqCst)),
-            e => Err(e),
-        }
-    }
-    fn set_device(&self, device: i32) -> c_int {
-        self.log(Call::SetDevice(device));
-        self.device.store(device, Ordering::SeqCst);
-        code::SUCCESS
-    }
-    fn device_synchronize(&self) -> c_int {
-        self.log(Call::Synchronize(self.device.load(Ordering::SeqCst)));
-        self.fail_sync.load(Ordering::SeqCst)
-    }
-    unsafe fn malloc(&self, out: *mut *mut c_void, size: usize, stream: Option<u64>) -> c_int {
-        self.log(Call::Malloc(size, stream));
-        let mut own = self.own.lock().unwrap();
-        let p = 0x1000 + own.len() as u64 * 0x1000;
-        own.push(p);
-        // SAFETY: the interposer passes the caller's valid `out`.
-        unsafe { *out = p as *mut c_void };
-        code::SUCCESS
-    }
-    fn free(&self, ptr: u64, stream: Option<u64>) -> c_int {
-        self.log(Call::Free(ptr, stream));
-        if ptr == 0 {
-            return code::SUCCESS;
-        }
-        let mut own = self.own.lock().unwrap();
-        match own.iter().position(|&p| p == ptr) {
-            Some(i) => {
-                own.remove(i);
-                code::SUCCESS
-            }
-            None => code::INVALID_VALUE,
-        }
-    }
-}
-
-fn host_options() -> Result<Options, String> {
-    Ok(Options::host(256 * MIB as u64, 2 * MIB))
-}
-
-fn bad_options() -> Result<Options, String> {
-    Ok(Options::host(256 * MIB as u64, 3))
-}
-
-fn new(options: fn() -> Result<Options, String>) -> Interposer<Fake> {
-    Interposer::new(Fake::new(), options)
-}
-
-fn malloc(ip: &Interposer<Fake>, size: usize, stream: Option<u64>) -> (c_int, u64) {
-    let mut p: *mut c_void = std::ptr::null_mut();
-    // SAFETY: `p` is a valid out-pointer.
-    let r = unsafe { ip.malloc(&mut p, size, stream) };
-    (r, p as u64)
-}
-
-fn runtime(ip: &Interposer<Fake>) -> &Fake {
-    ip.runtime()
-}
+use moonbright_preload::code;
 
 #[test]
 fn malloc_is_served_and_free_waits_for_the_device_then_frees() {

@@ -52,7 +52,9 @@ def digest(*tensors):
 """
 
 
-def run(code, preload, env_extra=None, timeout=600):
+def run(code, preload, env_extra=None, timeout=600, script=None):
+    """Runs `code` after PRELUDE in a fresh Python (from the file `script` if given: spawned
+    multiprocessing children import the parent's main module, which `-c` has not)."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     # Not the CPU tests' host-backend configuration (conftest.py), which the interposer refuses.
@@ -63,8 +65,11 @@ def run(code, preload, env_extra=None, timeout=600):
     env.update(env_extra or {})
     if preload:
         env["LD_PRELOAD"] = str(LIB)
+    source = PRELUDE + textwrap.dedent(code)
+    if script is not None:
+        pathlib.Path(script).write_text(source)
     r = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        [sys.executable, *(["-c", source] if script is None else [str(script)])],
         env=env,
         capture_output=True,
         text=True,
@@ -234,6 +239,57 @@ def test_mem_get_info_counts_what_moonbright_holds_unused_as_free():
         assert 4 << 30 <= used < (4 << 30) + (256 << 20), m
         assert abs(m["f2"] - m["f0"]) < 256 << 20, m
     assert m["report"]["served_frees"] == 1, m
+
+
+SHARE = """
+import torch.multiprocessing as mp
+
+def child(q, back):
+    small, big, view = q.get()
+    torch.cuda.synchronize()
+    seen = [float(small.sum()), int(big[:: 1 << 16].sum()), view.tolist()]
+    small.add_(1)
+    big[:16].fill_(9)
+    view.mul_(-1)
+    torch.cuda.synchronize()
+    back.put({"seen": seen, "report": report()})
+    del small, big, view
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    small = torch.arange(1000, dtype=torch.float32, device="cuda")
+    big = torch.full((300 << 20,), 3, dtype=torch.uint8, device="cuda")
+    base = torch.arange(64, dtype=torch.int64, device="cuda")
+    view = base[3:40:3]
+    p = ctx.Process(target=child, args=(q, back))
+    p.start()
+    q.put((small, big, view))
+    got = back.get(timeout=300)
+    p.join(timeout=300)
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    after = [float(small.sum()), int(big[:32].sum()), base.tolist()]
+    print(json.dumps({"seen": got["seen"], "after": after, "exitcode": p.exitcode,
+                      "child": got["report"], "report": report()}))
+"""
+
+
+def test_torch_multiprocessing_shares_cuda_tensors_through_the_interposers_ipc_handles(tmp_path):
+    """PyTorch's own CUDA IPC (cudaIpcGetMemHandle on the caching allocator's segment, and
+    cudaIpcOpenMemHandle in a spawned child), unmodified: under the interposer the segments are
+    MoonBright's, whose handles the runtime refuses, so the interposer gives and opens its own.
+    The child reads three tensors (one in a 300 MiB segment of its own, a strided view) and
+    writes them; the parent sees the writes, as with the runtime."""
+    script = tmp_path / "share.py"
+    base = run(SHARE, preload=False, script=script)
+    mb = run(SHARE, preload=True, script=script)
+    assert base["exitcode"] == mb["exitcode"] == 0
+    assert mb["seen"] == base["seen"] and mb["after"] == base["after"], (mb, base)
+    assert base["seen"][1] == 3 * (300 << 4) and mb["after"][1] == 16 * 9 + 16 * 3
+    r, c = mb["report"], mb["child"]
+    assert r["ipc_handles"] >= 2 and r["ipc_exported"] >= 2, r
+    assert c["ipc_opens"] >= 2, c
 
 
 def nvcc():
