@@ -44,15 +44,35 @@ res["imports_after_gc"] = len(_moonbright.ipc_imports())
 s.sendall(json.dumps(res).encode() + b"\\n")
 """
 
-PARENT = """
+# The parents' common part: `start(code)` runs `code` in a child given one end of a socket pair
+# (`MB_IPC_FD`) and returns the other end; `answer(sock)` reads the JSON line the child sends.
+SPAWN = """
 import json, os, socket, subprocess, sys
 import torch
 import moonbright, moonbright.torch, moonbright.ipc
 moonbright.torch.enable()
-parent, child = socket.socketpair()
-env = dict(os.environ, MB_IPC_FD=str(child.fileno()))
-proc = subprocess.Popen([sys.executable, "-c", CHILD], pass_fds=[child.fileno()], env=env)
-child.close()
+
+def start(code):
+    global proc
+    parent, child = socket.socketpair()
+    env = dict(os.environ, MB_IPC_FD=str(child.fileno()))
+    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child.fileno()], env=env)
+    child.close()
+    return parent
+
+def answer(sock):
+    line = b""
+    while not line.endswith(b"\\n"):
+        part = sock.recv(4096)
+        assert part, "the child closed the socket"
+        line += part
+    res = json.loads(line)
+    res["returncode"] = proc.wait(timeout=300)
+    return res
+"""
+
+PARENT = SPAWN + """
+parent = start(CHILD)
 big = torch.arange(1 << 28, dtype=torch.int32, device="cuda")
 # 64 MiB stitched from 32 scattered pages: the cap leaves no room for new ones.
 holes = [torch.empty(2 << 20, dtype=torch.uint8, device="cuda") for _ in range(64)]
@@ -70,13 +90,7 @@ for t in (big, stitched, small, base[::2, 3:]):
     before = moonbright.memory_stats()["moonbright.driver_calls.export"]
     moonbright.ipc.send_tensor(parent, t)
     exports.append(moonbright.memory_stats()["moonbright.driver_calls.export"] - before)
-line = b""
-while not line.endswith(b"\\n"):
-    part = parent.recv(4096)
-    assert part, "the child closed the socket"
-    line += part
-res = json.loads(line)
-res["returncode"] = proc.wait(timeout=300)
+res = answer(parent)
 res["exports"] = exports
 res["small_after"] = small.tolist()
 ref = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
@@ -126,8 +140,12 @@ def ref():
 
 
 def child(q, out):
-    x, p, view, storage = q.get(timeout=300)
+    x, p, view, storage, typed = q.get(timeout=300)
     out.put({
+        # A typed storage pickles its untyped storage, which goes through moonbright.ipc.
+        "typed": isinstance(typed, torch.TypedStorage) and typed.dtype == torch.float32
+        and typed.size() == 256 and typed.is_cuda
+        and bool((torch.empty(0, device="cuda").set_(typed._untyped_storage) == 2.5).all()),
         "x": bool(torch.equal(x, ref())),
         "storage": storage.is_cuda and storage.nbytes() == 4096
         and bool((torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage) == 9).all()),
@@ -137,7 +155,7 @@ def child(q, out):
     })
     x.mul_(3)
     torch.cuda.synchronize()
-    del x, p, view, storage
+    del x, p, view, storage, typed
     gc.collect()
     out.put(len(moonbright._moonbright.ipc_imports()))
 
@@ -157,7 +175,8 @@ if __name__ == "__main__":
     c = ctx.Process(target=child, args=(q, out))
     c.start()
     s = torch.full((4096,), 9, dtype=torch.uint8, device="cuda").untyped_storage()
-    q.put((x, p, base[1::2, :7], s))
+    typed = torch.full((256,), 2.5, device="cuda").storage()
+    q.put((x, p, base[1::2, :7], s, typed))
     ok = out.get(timeout=300)
     left = out.get(timeout=120)
     c.join(120)
@@ -172,7 +191,43 @@ def test_torch_multiprocessing_sends_moonbright_tensors(tmp_path):
     out = run([str(script)])
     assert out["exitcode"] == 0
     assert out["ok"] == {
-        "x": True, "storage": True, "param": True, "view": True, "allocator_is_torchs": True
+        "typed": True, "x": True, "storage": True, "param": True, "view": True,
+        "allocator_is_torchs": True,
     }
     assert out["imports_left"] == 0, "the child's imports close with its tensors"
     assert out["x_after"], "the child's write reached the parent"
+
+
+CHILD_ON_GPU1 = """
+import json, os, socket
+import torch
+import moonbright, moonbright.ipc
+s = socket.socket(fileno=int(os.environ["MB_IPC_FD"]))
+torch.cuda.set_device(1)
+x = moonbright.ipc.recv_tensor(s)
+ref = torch.arange(1 << 26, dtype=torch.float32, device="cuda:1")
+res = {"device": str(x.device), "read": bool(torch.equal(x, ref))}
+x.mul_(2)  # a kernel on GPU 1 writing GPU 0's memory
+torch.cuda.synchronize(1)
+del x
+s.sendall(json.dumps(res).encode() + b"\\n")
+"""
+
+PARENT_ON_GPU0 = SPAWN + """
+parent = start(CHILD_ON_GPU1)
+x = torch.arange(1 << 26, dtype=torch.float32, device="cuda:0")
+torch.cuda.synchronize()
+moonbright.ipc.send_tensor(parent, x)
+res = answer(parent)
+res["written"] = bool(torch.equal(x, 2 * torch.arange(1 << 26, dtype=torch.float32, device="cuda:0")))
+print(json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_tensor_imported_on_another_gpu_is_read_and_written_over_the_link():
+    """The child imports GPU 0's memory on GPU 1 (its allocator there maps it, with access for
+    GPU 1), reads it and writes it with a kernel on GPU 1; the parent sees the write."""
+    out = run(["-c", f"CHILD_ON_GPU1 = {CHILD_ON_GPU1!r}\n" + textwrap.dedent(PARENT_ON_GPU0)])
+    assert out["returncode"] == 0
+    assert out["device"] == "cuda:1" and out["read"] and out["written"], out
