@@ -65,7 +65,9 @@ def cudart():
 
 def interposed():
     """Whether the LD_PRELOAD interposer is in this process."""
-    return hasattr(ctypes.CDLL(None), "moonbright_preload_report")
+    from moonbright.preload import report
+
+    return report() is not None
 
 
 class Handle(ctypes.Structure):

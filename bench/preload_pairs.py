@@ -6,27 +6,19 @@ cudaMallocAsync and a cudaFreeAsync). Prints one JSON line: microseconds per pai
 p99 over 2,000 timed pairs per size (after 200 untimed), and whether the interposer served them.
 """
 
-import ctypes
 import json
 import statistics
 import time
 
 import torch
+from moonbright.preload import report
 
 SIZES = [512, 1 << 16, 2 << 20, 64 << 20, 1 << 30]
 
 
 def served():
-    try:
-        f = ctypes.CDLL(None).moonbright_preload_report
-    except AttributeError:
-        return None
-    f.restype = ctypes.c_size_t
-    f.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    n = f(None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    f(buf, n + 1)
-    return json.loads(buf.value)["served_allocs"]
+    r = report()
+    return None if r is None else r["served_allocs"]
 
 
 def main():

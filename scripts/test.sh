@@ -29,6 +29,8 @@ python3 -m maturin --version >/dev/null 2>&1 || python3 -m pip install -q maturi
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest
 # The paged pool's Python tests build their tables with numpy.
 python3 -c "import numpy" >/dev/null 2>&1 || python3 -m pip install -q numpy
+# The interposer, for the Python test that loads it (moonbright.preload).
+cargo build --release -p moonbright-preload
 rm -rf target/wheel target/pysite
 python3 -m maturin build --release --out target/wheel
 python3 -m pip install -q --no-deps --target target/pysite target/wheel/moonbright-*.whl

@@ -29,20 +29,9 @@ if not LIB.is_file():
     pytest.skip(f"no interposer library at {LIB}", allow_module_level=True)
 
 PRELUDE = """
-import ctypes, hashlib, json, os, time
+import hashlib, json, os, time
 import torch
-
-def report():
-    try:
-        f = ctypes.CDLL(None).moonbright_preload_report
-    except AttributeError:
-        return None
-    f.restype = ctypes.c_size_t
-    f.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    n = f(None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    f(buf, n + 1)
-    return json.loads(buf.value)
+from moonbright.preload import report
 
 def digest(*tensors):
     h = hashlib.sha256()
