@@ -16,7 +16,7 @@
 //! and counts, and `cudaIpcCloseMemHandle` unmaps at the last close.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -185,30 +185,21 @@ impl Broker {
         let books = guard.get_or_insert_with(Books::default);
         self.exported_ever.store(true, Ordering::SeqCst);
         let pid = std::process::id();
-        let name = match &books.listening {
-            Some(l) if l.pid == pid => l.name,
-            // None yet, or inherited from the parent across a fork: its thread is not here.
-            _ => {
-                let name = random::<8>()?;
-                let addr =
-                    address(pid, &name).map_err(|e| format!("the broker's socket name: {e}"))?;
-                let listener = UnixListener::bind_addr(&addr)
-                    .map_err(|e| format!("cannot listen for importers: {e}"))?;
-                start(listener).map_err(|e| format!("cannot start the broker's thread: {e}"))?;
-                books.listening = Some(Listening { pid, name });
-                name
-            }
-        };
-        let token = match books.tokens.get(&ptr) {
-            Some(&t) => t,
-            None => {
-                drop(check()?);
-                let t = random::<16>()?;
-                books.tokens.insert(ptr, t);
-                books.exports.insert(t, (ptr, device));
-                t
-            }
-        };
+        if books.listening.as_ref().is_some_and(|l| l.pid != pid) {
+            // Inherited from the parent across a fork: its thread and its exports are not here.
+            books.listening = None;
+            books.tokens.clear();
+            books.exports.clear();
+        }
+        if let Some(&t) = books.tokens.get(&ptr) {
+            let name = books.listening.as_ref().expect("a token has its broker").name;
+            return Ok(Handle { pid, device, broker: name, token: t }.encode());
+        }
+        drop(check()?);
+        let name = listen(books, start)?;
+        let token = random::<16>()?;
+        books.tokens.insert(ptr, token);
+        books.exports.insert(token, (ptr, device));
         Ok(Handle { pid, device, broker: name, token }.encode())
     }
 
@@ -252,7 +243,7 @@ impl Broker {
         stream.set_write_timeout(Some(PATIENCE))?;
         let peer = rustix::net::sockopt::socket_peercred(stream.as_fd())?;
         if peer.uid != rustix::process::geteuid() {
-            return stream.write_all(&[REFUSED]);
+            return send_all(&stream, &[REFUSED]);
         }
         let mut token = [0u8; 16];
         stream.read_exact(&mut token)?;
@@ -262,10 +253,10 @@ impl Broker {
         };
         match found {
             Some(Ok(e)) => {
-                stream.write_all(&[SENT])?;
+                send_all(&stream, &[SENT])?;
                 e.send(&stream).map_err(std::io::Error::other)
             }
-            Some(Err(_)) | None => stream.write_all(&[UNKNOWN]),
+            Some(Err(_)) | None => send_all(&stream, &[UNKNOWN]),
         }
     }
 
@@ -321,12 +312,43 @@ impl Broker {
     }
 }
 
+/// The name of this process's broker, started by `start` if it is not running yet.
+fn listen(
+    books: &mut Books,
+    start: impl FnOnce(UnixListener) -> std::io::Result<()>,
+) -> Result<[u8; 8], String> {
+    if let Some(l) = &books.listening {
+        return Ok(l.name);
+    }
+    let pid = std::process::id();
+    let name = random::<8>()?;
+    let addr = address(pid, &name).map_err(|e| format!("the broker's socket name: {e}"))?;
+    let listener =
+        UnixListener::bind_addr(&addr).map_err(|e| format!("cannot listen for importers: {e}"))?;
+    start(listener).map_err(|e| format!("cannot start the broker's thread: {e}"))?;
+    books.listening = Some(Listening { pid, name });
+    Ok(name)
+}
+
 /// Why an open failed: the export could not be fetched (the exporter is gone, freed it, or is
 /// another user's), or it could not be mapped here.
 #[derive(Debug)]
 pub enum Fetch {
     Unreachable(String),
     Import(String),
+}
+
+/// Writes all of `bytes`, without the `SIGPIPE` a write to a closed socket raises (a C program
+/// has not ignored it, as Rust's and Python's runtimes have).
+fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        match rustix::net::send(stream, bytes, rustix::net::SendFlags::NOSIGNAL) {
+            Ok(n) => bytes = &bytes[n..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// Fetches the export `h` names from its broker.
@@ -337,7 +359,7 @@ fn fetch(h: &Handle) -> Result<Export, Fetch> {
     let addr = address(h.pid, &h.broker).map_err(|e| gone("cannot name", &e))?;
     let mut stream = UnixStream::connect_addr(&addr).map_err(|e| gone("cannot reach", &e))?;
     stream.set_read_timeout(Some(PATIENCE)).map_err(|e| gone("cannot wait for", &e))?;
-    stream.write_all(&h.token).map_err(|e| gone("cannot ask", &e))?;
+    send_all(&stream, &h.token).map_err(|e| gone("cannot ask", &e))?;
     let mut status = [0u8; 1];
     stream.read_exact(&mut status).map_err(|e| gone("no answer from", &e))?;
     match status[0] {
@@ -375,14 +397,15 @@ mod tests {
     fn a_token_nobody_was_given_is_unknown_and_a_missing_broker_unreachable() {
         static B: Broker = Broker::new();
         let b = &B;
-        // Starts the broker; the export's check fails, so nothing is exported.
         let start = |l: UnixListener| {
             std::thread::spawn(move || b.serve(l, |_, _| Err("nothing".to_string())));
             Ok(())
         };
+        // A failed check exports nothing and starts no broker.
         assert_eq!(b.handle(0x1000, 0, || Err("no".into()), start), Err("no".to_string()));
         assert_eq!(b.exported(), 0);
-        let name = b.books().as_ref().unwrap().listening.as_ref().unwrap().name;
+        assert!(b.books().as_ref().unwrap().listening.is_none());
+        let name = listen(b.books().as_mut().unwrap(), start).unwrap();
         let h = Handle { pid: std::process::id(), device: 0, broker: name, token: [7; 16] };
         match fetch(&h) {
             Err(Fetch::Unreachable(m)) => assert!(m.contains("no such export"), "{m}"),

@@ -248,3 +248,34 @@ fn child_half() {
     b.write(q, b"child").unwrap();
     assert_eq!(im.ipc_close_mem_handle(q as *mut c_void), code::SUCCESS);
 }
+
+#[test]
+fn threads_opening_and_closing_one_handle_share_one_mapping() {
+    let (ex, im) = (leaked(host_options), leaked(host_options));
+    let (_, p) = malloc(ex, 4 * MIB, None);
+    allocator(ex).write(p, b"shared by threads").unwrap();
+    let (_, h) = handle(ex, p);
+    let _ = malloc(im, 2 * MIB, None);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    let (r, q) = open(im, h);
+                    assert_eq!(r, code::SUCCESS, "{:?}", im.last_error());
+                    assert_eq!(read(allocator(im), q, 17), b"shared by threads");
+                    assert_eq!(im.ipc_close_mem_handle(q as *mut c_void), code::SUCCESS);
+                }
+            });
+        }
+        // Meanwhile the exporter is asked for the handle again and again: the same one.
+        s.spawn(|| {
+            for _ in 0..200 {
+                assert_eq!(handle(ex, p), (code::SUCCESS, h));
+            }
+        });
+    });
+    assert!(allocator(im).imports().is_empty(), "every open was closed");
+    let report: serde_json::Value = serde_json::from_str(&im.report()).unwrap();
+    assert_eq!(report["ipc_opens"], 200);
+    allocator(im).check_invariants().unwrap();
+}
