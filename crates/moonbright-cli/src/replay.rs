@@ -116,6 +116,7 @@ impl Outcome {
                 "cache_hits": s.cache_hits,
                 "subpage_allocations": s.subpage_allocations,
                 "cached_ranges_stolen": s.cached_ranges_stolen,
+                "cached_ranges_split": s.cached_ranges_split,
                 "chunk_splits": s.chunk_splits,
                 "unmap_batches": s.unmap_batches,
                 "unmap_calls_in_batches": s.unmap_calls_in_batches,
@@ -332,9 +333,10 @@ pub(crate) fn print_summary(o: &Outcome) {
     );
     let pct = |n: u64| if r.allocs == 0 { 0.0 } else { 100.0 * n as f64 / r.allocs as f64 };
     println!(
-        "cache hits {} ({:.1}% of allocs) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} | unmap batches {} | OOMs {}",
+        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} | unmap batches {} | OOMs {}",
         s.cache_hits,
         pct(s.cache_hits),
+        s.cached_ranges_split,
         s.subpage_allocations,
         pct(s.subpage_allocations),
         s.cached_ranges_stolen,

@@ -810,3 +810,57 @@ fn history_and_segments_describe_what_happened() {
     assert_eq!(arena.stream, 0);
     a.free(small).unwrap();
 }
+
+#[test]
+fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
+    use moonbright::CallKind;
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size();
+    let vmm = |a: &Allocator| {
+        let c = a.driver().counts();
+        [CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Unmap].map(|k| c.get(k))
+    };
+    // Fresh memory for 9 pages comes as chunks of 4, 4 and 1 (the chunk limit is 4 pages).
+    let big = a.malloc(9 * page).unwrap();
+    assert_eq!(a.segments().iter().find(|s| s.addr == big).unwrap().chunks, 3);
+    for i in 0..3 {
+        a.write(big + (4 * i * page) as u64, &[i as u8 + 1; 64]).unwrap();
+    }
+    a.free(big).unwrap();
+    let before = vmm(&a);
+    // One page: the last chunk, where it is mapped; the first eight pages stay cached.
+    let tail = a.malloc(page).unwrap();
+    assert_eq!(tail, big + 8 * page as u64);
+    // Four pages: the first chunk; the middle one stays cached.
+    let head = a.malloc(4 * page).unwrap();
+    assert_eq!(head, big);
+    // Four pages again: the middle chunk, an exact cached range now.
+    let middle = a.malloc(4 * page).unwrap();
+    assert_eq!(middle, big + 4 * page as u64);
+    assert_eq!(vmm(&a), before, "no driver call: the chunks were mapped there already");
+    let s = a.stats();
+    assert_eq!((s.cached_ranges_split, s.cache_hits), (2, 3));
+    for (p, v) in [(head, 1u8), (middle, 2), (tail, 3)] {
+        let mut b = [0u8; 64];
+        a.read(p, &mut b).unwrap();
+        assert_eq!(b, [v; 64], "the same memory at the same address");
+    }
+    a.check_invariants().unwrap();
+    // The pieces unmap apart, each a whole number of chunks (the host backend refuses less).
+    for p in [head, middle, tail] {
+        a.free(p).unwrap();
+    }
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
+    let a = Allocator::new(Options { validate: true, ..host_options() }).unwrap();
+    random_mix_keeps_contents(&a, 7, 2000);
+    assert!(a.stats().cached_ranges_split > 0, "the churn split cached ranges");
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}

@@ -360,8 +360,9 @@ fn the_worker_completes_frees_and_unmaps_in_batches() {
     a.free_async(p, s[0]).unwrap();
     // Without any call from us, the worker sees the event complete and caches the range.
     eventually("the free to complete", || a.stats().cached_ranges.current == 1);
-    // A different size steals the cached pages; the old addresses retire and, by age, unmap.
-    let q = a.malloc_async(4 * PAGE, s[1]).unwrap();
+    // A size that no run of its chunks (4 pages and 1) holds steals the cached pages; the old
+    // addresses retire and, by age, unmap.
+    let q = a.malloc_async(3 * PAGE, s[1]).unwrap();
     assert!(a.stats().cached_ranges_stolen >= 1);
     eventually("the retired range to be unmapped", || {
         let st = a.stats();

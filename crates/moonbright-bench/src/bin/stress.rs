@@ -114,6 +114,7 @@ impl Replay for Mb {
             ("request_created_chunks", s.request_created_chunks),
             ("request_released_chunks", s.request_released_chunks),
             ("cached_ranges_stolen", s.cached_ranges_stolen),
+            ("cached_ranges_split", s.cached_ranges_split),
             ("unmap_batches", s.unmap_batches),
             ("flushes_for_addresses", s.flushes_for_addresses),
             ("flushes_for_split", s.flushes_for_split),

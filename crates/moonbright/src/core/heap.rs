@@ -64,6 +64,33 @@ fn room_to_add(len: usize, cap: usize) -> Option<usize> {
 /// A cached range up to 1/8 larger than a request serves it as it is (no driver call).
 const NEAR_FIT_DIVISOR: u64 = 8;
 
+/// A run of chunks split off a cached range may hold up to 1/SPLIT_SLACK more than the request.
+const SPLIT_SLACK: u64 = 32;
+
+/// Cached ranges, smallest first, that a request looks into for a run of chunks to split off.
+const SPLIT_CANDIDATES: usize = 64;
+
+/// The first run of consecutive chunks (of `sizes` pages each) that holds at least `pages`
+/// pages and at most `most`: (first, one past the last).
+fn chunk_run(sizes: &[u64], pages: u64, most: u64) -> Option<(usize, usize)> {
+    let (mut end, mut sum) = (0, 0);
+    for start in 0..sizes.len() {
+        // The shortest run from `start` that holds the request.
+        while end < sizes.len() && sum < pages {
+            sum += sizes[end];
+            end += 1;
+        }
+        if sum < pages {
+            return None;
+        }
+        if sum <= most {
+            return Some((start, end));
+        }
+        sum -= sizes[start];
+    }
+    None
+}
+
 /// Events a stream keeps recorded and unpolled before its frees record its newest one again
 /// (`StreamFrees::event_to_record`): a burst of frees between two polls neither drains the
 /// event stock nor lists an event a free.
@@ -439,7 +466,8 @@ impl Heap {
     /// A range of `pages` pages with no driver call: one of exactly that size from the stream's
     /// own pending frees or the cache, the lowest address first; else the smallest cached range
     /// up to an eighth larger (the extra pages stay with the allocation until it is freed,
-    /// counted as rounding); else the window. Lowest address first (not newest), so that the
+    /// counted as rounding); else a run of chunks split off a larger cached range
+    /// (`split_cached`); else the window. Lowest address first (not newest), so that the
     /// same requests in the same order get the same ranges back whether or not their frees have
     /// completed, as from PyTorch's allocator.
     fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
@@ -465,6 +493,10 @@ impl Heap {
         if let Some((_, _, seq)) = exact.or_else(|| near().copied()) {
             self.stats.cache_hits += 1;
             return Ok(Some(self.uncache(seq)));
+        }
+        if let Some(id) = self.split_cached(pages) {
+            self.stats.cache_hits += 1;
+            return Ok(Some(id));
         }
         if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / NEAR_FIT_DIVISOR) {
             self.stats.window_hits += 1;
@@ -1366,6 +1398,39 @@ impl Heap {
         range
     }
 
+    /// A run of whole chunks in a larger cached range that holds `pages` pages to within
+    /// `SPLIT_SLACK`: split off with no driver call (each chunk is mapped on its own, so the
+    /// pieces are mapped ranges as they are); what is left on either side stays cached.
+    fn split_cached(&mut self, pages: u64) -> Option<RangeId> {
+        let most = pages + pages / SPLIT_SLACK;
+        let (seq, start, end) = (self.cached_by_size.range((most + 1, 0, 0)..))
+            .take(SPLIT_CANDIDATES)
+            .find_map(|&(_, _, seq)| {
+                let r = self.range(self.cached_lru[&seq]);
+                let sizes: Vec<u64> = r.chunks.iter().map(|&c| self.pool.get(c).pages).collect();
+                chunk_run(&sizes, pages, most).map(|(start, end)| (seq, start, end))
+            })?;
+        let id = self.uncache(seq);
+        let range = self.remove_range(id);
+        let ids = range.chunks.into_vec();
+        let pages_of = |cs: &[ChunkId]| cs.iter().map(|&c| self.pool.get(c).pages).sum::<u64>();
+        let (before, run, after) = (&ids[..start], &ids[start..end], &ids[end..]);
+        let (p_before, p_run) = (pages_of(before), pages_of(run));
+        let va = range.va + self.bytes(p_before);
+        if !before.is_empty() {
+            let id = self.add_range(range.va, p_before, Chunks::from(before.to_vec()), Use::Alloc);
+            self.cache_range(id);
+        }
+        if !after.is_empty() {
+            let p_after = range.pages - p_before - p_run;
+            let at = va + self.bytes(p_run);
+            let id = self.add_range(at, p_after, Chunks::from(after.to_vec()), Use::Alloc);
+            self.cache_range(id);
+        }
+        self.stats.cached_ranges_split += 1;
+        Some(self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc))
+    }
+
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
     /// address before the first is unmapped) and its addresses are retired.
     fn steal_cached(&mut self, seq: u64) {
@@ -1992,6 +2057,20 @@ pub(crate) struct Teardown {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_of_chunks_is_found_at_either_end_or_in_the_middle() {
+        assert_eq!(chunk_run(&[4, 4, 1], 1, 1), Some((2, 3)), "the tail");
+        assert_eq!(chunk_run(&[4, 4, 1], 4, 4), Some((0, 1)), "the head");
+        assert_eq!(chunk_run(&[1, 4, 4], 4, 4), Some((1, 2)), "the middle");
+        assert_eq!(chunk_run(&[1, 2, 1, 8], 3, 3), Some((0, 2)));
+        assert_eq!(chunk_run(&[1, 2, 1, 8], 4, 4), Some((0, 3)));
+        assert_eq!(chunk_run(&[2, 2, 8], 5, 5), None, "4 is short, 10 and 12 too much");
+        assert_eq!(chunk_run(&[2, 2, 8], 5, 6), None);
+        assert_eq!(chunk_run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
+        assert_eq!(chunk_run(&[3], 4, 8), None, "not enough pages at all");
+        assert_eq!(chunk_run(&[], 1, 1), None);
+    }
 
     #[test]
     fn tables_grow_ahead_once_half_their_room_is_gone() {

@@ -92,6 +92,8 @@ pub struct Stats {
     pub targeted_flushes: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,
+    /// Cached ranges split at a chunk boundary to serve a smaller request (no driver call).
+    pub cached_ranges_split: u64,
     /// Chunks released and recreated smaller under pressure.
     pub chunk_splits: u64,
     /// Unmap batches flushed.
