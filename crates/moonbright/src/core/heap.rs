@@ -67,17 +67,25 @@ const NEAR_FIT_DIVISOR: u64 = 8;
 /// A run of chunks split off a cached range may hold up to 1/SPLIT_SLACK more than the request.
 const SPLIT_SLACK: u64 = 32;
 
-/// Cached ranges, smallest first, that a request looks into for a run of chunks to split off.
+/// Cached ranges, smallest first, that a request looks into for a run of chunks to split off,
+/// and the chunks it looks at in all: a miss that then maps anyway pays for the search under
+/// the heap lock, so the search is bounded (a few microseconds).
 const SPLIT_CANDIDATES: usize = 64;
+const SPLIT_CHUNKS_SEEN: usize = 2048;
 
-/// The first run of consecutive chunks (of `sizes` pages each) that holds at least `pages`
-/// pages and at most `most`: (first, one past the last).
-fn chunk_run(sizes: &[u64], pages: u64, most: u64) -> Option<(usize, usize)> {
+/// The first run of consecutive chunks, of `size(i)` pages each for `i` below `len`, that holds
+/// at least `pages` pages and at most `most`: (first, one past the last).
+fn chunk_run(
+    len: usize,
+    size: impl Fn(usize) -> u64,
+    pages: u64,
+    most: u64,
+) -> Option<(usize, usize)> {
     let (mut end, mut sum) = (0, 0);
-    for start in 0..sizes.len() {
+    for start in 0..len {
         // The shortest run from `start` that holds the request.
-        while end < sizes.len() && sum < pages {
-            sum += sizes[end];
+        while end < len && sum < pages {
+            sum += size(end);
             end += 1;
         }
         if sum < pages {
@@ -86,7 +94,7 @@ fn chunk_run(sizes: &[u64], pages: u64, most: u64) -> Option<(usize, usize)> {
         if sum <= most {
             return Some((start, end));
         }
-        sum -= sizes[start];
+        sum -= size(start);
     }
     None
 }
@@ -1403,13 +1411,20 @@ impl Heap {
     /// pieces are mapped ranges as they are); what is left on either side stays cached.
     fn split_cached(&mut self, pages: u64) -> Option<RangeId> {
         let most = pages + pages / SPLIT_SLACK;
-        let (seq, start, end) = (self.cached_by_size.range((most + 1, 0, 0)..))
-            .take(SPLIT_CANDIDATES)
-            .find_map(|&(_, _, seq)| {
-                let r = self.range(self.cached_lru[&seq]);
-                let sizes: Vec<u64> = r.chunks.iter().map(|&c| self.pool.get(c).pages).collect();
-                chunk_run(&sizes, pages, most).map(|(start, end)| (seq, start, end))
-            })?;
+        let (mut seen, mut found) = (0, None);
+        for &(_, _, seq) in self.cached_by_size.range((most + 1, 0, 0)..).take(SPLIT_CANDIDATES) {
+            let chunks = &self.range(self.cached_lru[&seq]).chunks;
+            seen += chunks.len();
+            if seen > SPLIT_CHUNKS_SEEN {
+                break;
+            }
+            let size = |i: usize| self.pool.get(chunks[i]).pages;
+            if let Some((start, end)) = chunk_run(chunks.len(), size, pages, most) {
+                found = Some((seq, start, end));
+                break;
+            }
+        }
+        let (seq, start, end) = found?;
         let id = self.uncache(seq);
         let range = self.remove_range(id);
         let ids = range.chunks.into_vec();
@@ -2060,16 +2075,17 @@ mod tests {
 
     #[test]
     fn a_run_of_chunks_is_found_at_either_end_or_in_the_middle() {
-        assert_eq!(chunk_run(&[4, 4, 1], 1, 1), Some((2, 3)), "the tail");
-        assert_eq!(chunk_run(&[4, 4, 1], 4, 4), Some((0, 1)), "the head");
-        assert_eq!(chunk_run(&[1, 4, 4], 4, 4), Some((1, 2)), "the middle");
-        assert_eq!(chunk_run(&[1, 2, 1, 8], 3, 3), Some((0, 2)));
-        assert_eq!(chunk_run(&[1, 2, 1, 8], 4, 4), Some((0, 3)));
-        assert_eq!(chunk_run(&[2, 2, 8], 5, 5), None, "4 is short, 10 and 12 too much");
-        assert_eq!(chunk_run(&[2, 2, 8], 5, 6), None);
-        assert_eq!(chunk_run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
-        assert_eq!(chunk_run(&[3], 4, 8), None, "not enough pages at all");
-        assert_eq!(chunk_run(&[], 1, 1), None);
+        let run = |sizes: &[u64], pages, most| chunk_run(sizes.len(), |i| sizes[i], pages, most);
+        assert_eq!(run(&[4, 4, 1], 1, 1), Some((2, 3)), "the tail");
+        assert_eq!(run(&[4, 4, 1], 4, 4), Some((0, 1)), "the head");
+        assert_eq!(run(&[1, 4, 4], 4, 4), Some((1, 2)), "the middle");
+        assert_eq!(run(&[1, 2, 1, 8], 3, 3), Some((0, 2)));
+        assert_eq!(run(&[1, 2, 1, 8], 4, 4), Some((0, 3)));
+        assert_eq!(run(&[2, 2, 8], 5, 5), None, "4 is short, 10 and 12 too much");
+        assert_eq!(run(&[2, 2, 8], 5, 6), None);
+        assert_eq!(run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
+        assert_eq!(run(&[3], 4, 8), None, "not enough pages at all");
+        assert_eq!(run(&[], 1, 1), None);
     }
 
     #[test]
