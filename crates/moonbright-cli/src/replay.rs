@@ -104,6 +104,14 @@ impl Outcome {
                 "wall_s": r.wall.as_secs_f64(),
                 "alloc_latency": lat(&r.alloc_latency_ns),
                 "free_latency": lat(&r.free_latency_ns),
+                "slowest_allocs": r.slowest.iter().map(|a| serde_json::json!({
+                    "event": a.event,
+                    "size": a.size,
+                    "us": a.ns as f64 / 1000.0,
+                    "calls_meanwhile": a.calls_made()
+                        .map(|(k, n, ns)| (k.key().to_string(), serde_json::json!({"calls": n, "us": ns as f64 / 1000.0})))
+                        .collect::<serde_json::Map<_, _>>(),
+                })).collect::<Vec<_>>(),
             },
             "moonbright": {
                 "peak_allocated_bytes": s.allocated_bytes.peak,
@@ -345,6 +353,23 @@ pub(crate) fn print_summary(o: &Outcome) {
         s.num_ooms,
     );
     println!("driver calls ({}): {}", s.driver_calls.total(), calls(s));
+    println!("slowest allocs (driver calls meanwhile, by any thread; VMM time in µs):");
+    for a in &r.slowest {
+        let made: Vec<String> = a
+            .calls_made()
+            .map(|(k, n, ns)| match ns {
+                0 => format!("{} {n}", k.key()),
+                _ => format!("{} {n} ({:.0})", k.key(), ns as f64 / 1000.0),
+            })
+            .collect();
+        println!(
+            "  event {:>8}: {:>10} bytes, {}: {}",
+            a.event,
+            a.size,
+            us(Some(a.ns as f64 / 1000.0)),
+            if made.is_empty() { "none".to_string() } else { made.join(", ") }
+        );
+    }
 }
 
 pub(crate) fn command(

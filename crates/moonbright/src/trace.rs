@@ -22,7 +22,7 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use crate::allocator::Allocator;
-use crate::driver::{DevicePtr, StreamHandle};
+use crate::driver::{CallCounts, CallKind, CallTimes, DevicePtr, StreamHandle};
 
 /// The header line of the trace format.
 pub const HEADER: [&str; 6] = ["seq", "action", "addr", "size", "stream", "dt_us"];
@@ -562,6 +562,45 @@ pub struct ReplayReport {
     pub free_latency_ns: Vec<u64>,
     /// Allocated and reserved bytes over events (see [`ReplayOptions::series_points`]).
     pub series: Vec<SeriesPoint>,
+    /// The slowest allocations, slowest first (at most [`SLOWEST_KEPT`]).
+    pub slowest: Vec<SlowAlloc>,
+}
+
+/// How many of the slowest allocations a replay describes.
+pub const SLOWEST_KEPT: usize = 5;
+
+/// One of a replay's slowest allocations: which, how long, and the driver calls made while it
+/// ran (by any thread: the background worker's count too), to tell what a tail is made of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlowAlloc {
+    /// The event's index in the trace.
+    pub event: u64,
+    pub size: u64,
+    pub ns: u64,
+    /// Calls by kind meanwhile.
+    pub calls: CallCounts,
+    /// Nanoseconds in the virtual-memory calls of each kind meanwhile.
+    pub call_ns: [u64; CallKind::ALL.len()],
+}
+
+impl SlowAlloc {
+    /// `(kind, calls, nanoseconds)` for each kind called meanwhile.
+    pub fn calls_made(&self) -> impl Iterator<Item = (CallKind, u64, u64)> + '_ {
+        CallKind::ALL
+            .iter()
+            .map(|&k| (k, self.calls.get(k), self.call_ns[k as usize]))
+            .filter(|&(_, n, _)| n > 0)
+    }
+}
+
+/// Keeps `a` among the slowest (slowest first, at most `SLOWEST_KEPT`).
+fn keep_if_slow(slowest: &mut Vec<SlowAlloc>, a: SlowAlloc) {
+    if slowest.len() == SLOWEST_KEPT && slowest.last().is_some_and(|s| s.ns >= a.ns) {
+        return;
+    }
+    let at = slowest.partition_point(|s| s.ns >= a.ns);
+    slowest.insert(at, a);
+    slowest.truncate(SLOWEST_KEPT);
 }
 
 impl ReplayReport {
@@ -619,12 +658,29 @@ pub fn replay(
         match e.action {
             Action::Alloc => {
                 rep.allocs += 1;
+                let driver = alloc.driver();
+                let (calls, times) = (driver.counts(), driver.times());
                 let t = Instant::now();
                 let r = alloc.malloc_async(e.size as usize, StreamHandle(e.stream));
                 let dt = t.elapsed().as_nanos() as u64;
                 match r {
                     Ok(ptr) => {
                         rep.alloc_latency_ns.push(dt);
+                        if rep.slowest.len() < SLOWEST_KEPT
+                            || rep.slowest.last().is_some_and(|s| s.ns < dt)
+                        {
+                            let spent = |after: CallTimes| {
+                                std::array::from_fn(|k| after.total_ns[k] - times.total_ns[k])
+                            };
+                            let a = SlowAlloc {
+                                event: i as u64,
+                                size: e.size,
+                                ns: dt,
+                                calls: driver.counts().since(&calls),
+                                call_ns: spent(driver.times()),
+                            };
+                            keep_if_slow(&mut rep.slowest, a);
+                        }
                         if let Some(old) = ours.insert(e.addr, ptr) {
                             // The recorder reused an address without a free: drop the old block.
                             let _ = alloc.free(old);
@@ -696,6 +752,23 @@ mod tests {
         assert_eq!(parse_rmm_time("1.5"), Some(1.5));
         assert_eq!(parse_rmm_time("01:02:03.5"), Some(3723.5));
         assert_eq!(parse_rmm_time("x"), None);
+    }
+
+    #[test]
+    fn the_slowest_allocations_are_kept_slowest_first() {
+        let mut kept = Vec::new();
+        let slow = |ns| SlowAlloc {
+            event: ns,
+            size: 1,
+            ns,
+            calls: CallCounts::default(),
+            call_ns: [0; CallKind::ALL.len()],
+        };
+        for ns in [5, 1, 9, 3, 7, 8, 2, 10, 4] {
+            keep_if_slow(&mut kept, slow(ns));
+        }
+        let ns: Vec<u64> = kept.iter().map(|s| s.ns).collect();
+        assert_eq!(ns, [10, 9, 8, 7, 5]);
     }
 
     #[test]
