@@ -126,15 +126,18 @@ struct Opened {
     count: usize,
 }
 
-/// The books of a process's IPC handles: what it exported (and the thread that serves them),
-/// and what it imported.
-#[derive(Debug, Default)]
-struct Books {
+/// What a process exported, and the thread that serves it.
+#[derive(Debug)]
+struct Exports {
     listening: Option<Listening>,
-    /// Exported allocations: token by address, and (address, device) by token.
+    /// Token by address, and (address, device) by token.
     tokens: BTreeMap<u64, Token>,
-    exports: BTreeMap<Token, (u64, i32)>,
-    /// Imports by address, and by handle for a second open.
+    by_token: BTreeMap<Token, (u64, i32)>,
+}
+
+/// What a process imported: by address, and by handle for a second open.
+#[derive(Debug)]
+struct Imports {
     opened: BTreeMap<u64, Opened>,
     by_handle: BTreeMap<Key, u64>,
 }
@@ -147,11 +150,15 @@ struct Books {
 /// an importer served between the two gets an error (the export fails). CUDA's contract, which
 /// the interposer keeps, is that the exporter keeps an allocation live while importers open it,
 /// and does not free it while asking for its handle.
+///
+/// Exports and imports have a lock each: an import holds its lock across a socket round trip
+/// and driver calls, and a free (which looks at the exports) must not wait for it.
 #[derive(Debug)]
 pub struct Broker {
-    books: Mutex<Option<Books>>,
-    /// Whether anything was ever exported: until then a free needs no look at the books. Set
-    /// under the lock before an export is checked, so a free that follows that check sees it.
+    exports: Mutex<Exports>,
+    imports: Mutex<Imports>,
+    /// Whether anything was ever exported: until then a free needs no look at the exports. Set
+    /// under their lock before an export is checked, so a free that follows that check sees it.
     exported_ever: AtomicBool,
 }
 
@@ -163,11 +170,15 @@ impl Default for Broker {
 
 impl Broker {
     pub const fn new() -> Self {
-        Broker { books: Mutex::new(None), exported_ever: AtomicBool::new(false) }
-    }
-
-    fn books(&self) -> MutexGuard<'_, Option<Books>> {
-        locked(&self.books)
+        Broker {
+            exports: Mutex::new(Exports {
+                listening: None,
+                tokens: BTreeMap::new(),
+                by_token: BTreeMap::new(),
+            }),
+            imports: Mutex::new(Imports { opened: BTreeMap::new(), by_handle: BTreeMap::new() }),
+            exported_ever: AtomicBool::new(false),
+        }
     }
 
     /// The handle of the allocation at `ptr` on `device`: the one given before if it was
@@ -181,25 +192,24 @@ impl Broker {
         check: impl FnOnce() -> Result<Export, String>,
         start: impl FnOnce(UnixListener) -> std::io::Result<()>,
     ) -> Result<IpcMemHandle, String> {
-        let mut guard = self.books();
-        let books = guard.get_or_insert_with(Books::default);
+        let mut books = locked(&self.exports);
         self.exported_ever.store(true, Ordering::SeqCst);
         let pid = std::process::id();
         if books.listening.as_ref().is_some_and(|l| l.pid != pid) {
             // Inherited from the parent across a fork: its thread and its exports are not here.
             books.listening = None;
             books.tokens.clear();
-            books.exports.clear();
+            books.by_token.clear();
         }
         if let Some(&t) = books.tokens.get(&ptr) {
             let name = books.listening.as_ref().expect("a token has its broker").name;
             return Ok(Handle { pid, device, broker: name, token: t }.encode());
         }
         drop(check()?);
-        let name = listen(books, start)?;
+        let name = listen(&mut books, start)?;
         let token = random::<16>()?;
         books.tokens.insert(ptr, token);
-        books.exports.insert(token, (ptr, device));
+        books.by_token.insert(token, (ptr, device));
         Ok(Handle { pid, device, broker: name, token }.encode())
     }
 
@@ -209,16 +219,15 @@ impl Broker {
         if !self.exported_ever.load(Ordering::SeqCst) {
             return;
         }
-        if let Some(b) = self.books().as_mut() {
-            if let Some(t) = b.tokens.remove(&ptr) {
-                b.exports.remove(&t);
-            }
+        let mut b = locked(&self.exports);
+        if let Some(t) = b.tokens.remove(&ptr) {
+            b.by_token.remove(&t);
         }
     }
 
     /// Allocations exported and not yet freed.
     pub fn exported(&self) -> usize {
-        self.books().as_ref().map_or(0, |b| b.tokens.len())
+        locked(&self.exports).tokens.len()
     }
 
     /// The listener's loop: one connection at a time (each is a lookup, an export and a send);
@@ -248,8 +257,8 @@ impl Broker {
         let mut token = [0u8; 16];
         stream.read_exact(&mut token)?;
         let found = {
-            let books = self.books();
-            books.as_ref().and_then(|b| b.exports.get(&token).copied()).map(|(p, d)| export(p, d))
+            let books = locked(&self.exports);
+            books.by_token.get(&token).map(|&(p, d)| export(p, d))
         };
         match found {
             Some(Ok(e)) => {
@@ -270,8 +279,7 @@ impl Broker {
         import: impl FnOnce(&Export) -> Result<u64, String>,
     ) -> Result<u64, Fetch> {
         let key = (h.pid, h.broker, h.token);
-        let mut guard = self.books();
-        let books = guard.get_or_insert_with(Books::default);
+        let mut books = locked(&self.imports);
         if let Some(&ptr) = books.by_handle.get(&key) {
             let o = books.opened.get_mut(&ptr).expect("an open import has its entry");
             if o.device == device {
@@ -294,8 +302,7 @@ impl Broker {
         ptr: u64,
         unmap: impl FnOnce(i32) -> Result<(), String>,
     ) -> Option<Result<(), String>> {
-        let mut guard = self.books();
-        let books = guard.as_mut()?;
+        let mut books = locked(&self.imports);
         let o = books.opened.get_mut(&ptr)?;
         if o.count > 1 {
             o.count -= 1;
@@ -314,7 +321,7 @@ impl Broker {
 
 /// The name of this process's broker, started by `start` if it is not running yet.
 fn listen(
-    books: &mut Books,
+    books: &mut Exports,
     start: impl FnOnce(UnixListener) -> std::io::Result<()>,
 ) -> Result<[u8; 8], String> {
     if let Some(l) = &books.listening {
@@ -404,8 +411,8 @@ mod tests {
         // A failed check exports nothing and starts no broker.
         assert_eq!(b.handle(0x1000, 0, || Err("no".into()), start), Err("no".to_string()));
         assert_eq!(b.exported(), 0);
-        assert!(b.books().as_ref().unwrap().listening.is_none());
-        let name = listen(b.books().as_mut().unwrap(), start).unwrap();
+        assert!(locked(&b.exports).listening.is_none());
+        let name = listen(&mut locked(&b.exports), start).unwrap();
         let h = Handle { pid: std::process::id(), device: 0, broker: name, token: [7; 16] };
         match fetch(&h) {
             Err(Fetch::Unreachable(m)) => assert!(m.contains("no such export"), "{m}"),
@@ -417,5 +424,33 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(b.close(0x1000, |_| Ok(())).is_none());
+    }
+
+    #[test]
+    fn a_free_does_not_wait_for_an_import_in_progress() {
+        let b = &Broker::new();
+        // Exports were made (the check fails, but a free must now look at the exports).
+        let start = |_: UnixListener| Ok(());
+        assert!(b.handle(0x1000, 0, || Err("no".into()), start).is_err());
+        assert!(b.exported_ever.load(Ordering::SeqCst));
+        // A broker that accepts and never answers: the import holds its lock meanwhile.
+        let name = random::<8>().unwrap();
+        let listener =
+            UnixListener::bind_addr(&address(std::process::id(), &name).unwrap()).unwrap();
+        let h = Handle { pid: std::process::id(), device: 0, broker: name, token: [1; 16] };
+        std::thread::scope(|s| {
+            let opening = s.spawn(|| b.open(&h, 0, |_| Ok(0)));
+            let (conn, _) = listener.accept().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            s.spawn(move || {
+                b.forget(0x2000);
+                tx.send(()).unwrap();
+            });
+            let freed = rx.recv_timeout(Duration::from_secs(2));
+            // Unblocks the import (and, if the free was waiting for it, the free).
+            drop(conn);
+            assert!(freed.is_ok(), "the free waited for the import");
+            assert!(matches!(opening.join().unwrap(), Err(Fetch::Unreachable(_))));
+        });
     }
 }
