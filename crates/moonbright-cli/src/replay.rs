@@ -126,6 +126,8 @@ impl Outcome {
                 "cached_ranges_stolen": s.cached_ranges_stolen,
                 "cached_ranges_split": s.cached_ranges_split,
                 "chunk_splits": s.chunk_splits,
+                "flushes_for_split": s.flushes_for_split,
+                "targeted_flushes": s.targeted_flushes,
                 "unmap_batches": s.unmap_batches,
                 "unmap_calls_in_batches": s.unmap_calls_in_batches,
                 "num_ooms": s.num_ooms,
@@ -341,7 +343,7 @@ pub(crate) fn print_summary(o: &Outcome) {
     );
     let pct = |n: u64| if r.allocs == 0 { 0.0 } else { 100.0 * n as f64 / r.allocs as f64 };
     println!(
-        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} | unmap batches {} | OOMs {}",
+        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
         s.cache_hits,
         pct(s.cache_hits),
         s.cached_ranges_split,
@@ -349,6 +351,8 @@ pub(crate) fn print_summary(o: &Outcome) {
         pct(s.subpage_allocations),
         s.cached_ranges_stolen,
         s.chunk_splits,
+        s.flushes_for_split,
+        s.targeted_flushes,
         s.unmap_batches,
         s.num_ooms,
     );

@@ -684,6 +684,7 @@ impl Drop for Allocator {
 #[cfg(all(test, not(loom), not(miri)))]
 mod tests {
     use super::*;
+    use crate::stream::Raised;
     use crate::CallKind;
 
     /// The worker's event stock (driven here by hand: no worker) tops up to its target once it is
@@ -741,6 +742,69 @@ mod tests {
         assert_eq!(a.stats().events_stocked, 16);
         assert_eq!(destroyed(), 24, "every event past the target is destroyed (one failing)");
         assert!(a.take_deferred_error().is_some(), "the failed destroy was not reported");
+        a.check_invariants().unwrap();
+    }
+
+    /// The worker's unmap batch stops before its next call once a request waits for ranges it
+    /// holds (`requests_flushing`) and puts back what it has not unmapped; a flush of the
+    /// user's or a request's own never stops early.
+    #[test]
+    fn the_workers_unmap_batch_stops_early_for_a_waiting_request() {
+        let page = 64 << 10;
+        let opts = Options { background: false, ..Options::host(64 << 20, page) };
+        let a = Allocator::new(opts).unwrap();
+        // Three one-page ranges freed between live ones, then stolen by a larger request: three
+        // retired ranges, apart, each its own unmap call.
+        let r: Vec<_> = (0..5).map(|_| a.malloc(page).unwrap()).collect();
+        for i in [0, 2, 4] {
+            a.free(r[i]).unwrap();
+        }
+        let big = a.malloc(4 * page).unwrap();
+        assert_eq!(a.stats().retired_ranges.current, 3);
+        let unmaps = || a.stats().driver_calls.get(CallKind::Unmap);
+        let waiting = Raised::new(&a.shared.requests_flushing);
+        assert!(a.shared.flush_in_background().unwrap());
+        assert_eq!((unmaps(), a.stats().retired_ranges.current), (1, 2), "it did not stop");
+        a.check_invariants().unwrap();
+        assert!(a.shared.flush().unwrap());
+        assert_eq!((unmaps(), a.stats().retired_ranges.current), (3, 0));
+        drop(waiting);
+        for p in [r[1], r[3], big] {
+            a.free(p).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+
+    /// A split whose smallest candidate chunk is still mapped by ranges another thread is
+    /// unmapping takes a larger candidate whose old addresses can go now, and unmaps only those
+    /// (a targeted flush) rather than wait for the other batch or unmap everything.
+    #[test]
+    fn a_split_passes_over_a_chunk_in_another_unmap_batch() {
+        let page = 64 << 10;
+        let opts = Options {
+            background: false,
+            max_chunk_bytes: 4 * page as u64,
+            ..Options::host(64 << 20, page)
+        };
+        let a = Allocator::new(opts).unwrap();
+        let three = a.malloc(3 * page).unwrap();
+        let four = a.malloc(4 * page).unwrap();
+        a.free(three).unwrap();
+        a.shared.heap().retire_all_free();
+        // Another thread's batch holds the three-page chunk's old addresses.
+        let held = a.shared.heap().take_unmap_batch(None);
+        assert_eq!(held.len(), 1);
+        a.free(four).unwrap();
+        a.shared.heap().retire_all_free();
+        let unmaps = || a.stats().driver_calls.get(CallKind::Unmap);
+        let two = a.malloc(2 * page).unwrap();
+        let st = a.stats();
+        assert_eq!((st.chunk_splits, st.flushes_for_split, st.targeted_flushes), (1, 1, 1));
+        assert_eq!(unmaps(), 1, "it unmapped more than the four-page chunk's addresses");
+        a.shared.heap().commit_unmap(held, 0, None);
+        a.check_invariants().unwrap();
+        assert!(a.shared.flush().unwrap());
+        a.free(two).unwrap();
         a.check_invariants().unwrap();
     }
 }

@@ -73,6 +73,30 @@ const SPLIT_SLACK: u64 = 32;
 const SPLIT_CANDIDATES: usize = 64;
 const SPLIT_CHUNKS_SEEN: usize = 2048;
 
+/// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
+/// unmapped now (each look scans the retired ranges).
+const CHUNK_SPLIT_CANDIDATES: usize = 8;
+
+/// When the retired ranges that map a bare chunk may be unmapped (`Heap::unmappable`), soonest
+/// first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Unmappable {
+    Now,
+    /// Once another thread's unmap batch, which holds some of them, lands.
+    AfterBatch,
+    /// Once their streams' work has passed their frees.
+    AfterWork,
+}
+
+/// Whether a retired range may be unmapped now: its stream's work has passed its free.
+fn retired_ready(streams: &Streams, r: &Retired) -> bool {
+    match r.after {
+        None => true,
+        // A stream forgotten had every epoch done (`Streams::forget_if_idle`).
+        Some((s, epoch)) => streams.get(s).map_or(true, |f| f.is_done(epoch)),
+    }
+}
+
 /// The first run of consecutive chunks, of `size(i)` pages each for `i` below `len`, that holds
 /// at least `pages` pages and at most `most`: (first, one past the last).
 fn chunk_run(
@@ -1152,8 +1176,8 @@ impl Heap {
                     left = 0;
                 }
                 None => {
-                    // Every candidate is still mapped by a retired range: unmap the smallest's.
-                    let candidate = self.pool.smallest_bare_larger_than(left);
+                    // Every candidate is still mapped by retired ranges: unmap one's first.
+                    let candidate = self.split_candidate(left);
                     self.give_back(got, same_stream);
                     self.va.recycle(va, len);
                     self.stats.flushes_for_split += 1;
@@ -1615,32 +1639,56 @@ impl Heap {
                 || self.va.retired_age() >= self.lim.unmap_batch_age)
     }
 
+    /// The chunk to split when every bare chunk larger than `pages` is still mapped by retired
+    /// ranges, and when its ranges can go: of the first `CHUNK_SPLIT_CANDIDATES`, smallest
+    /// first, one whose ranges may all be unmapped now, so that the request unmaps those alone;
+    /// else one whose ranges wait only for another thread's unmap batch; else the smallest.
+    fn split_candidate(&self, pages: u64) -> Option<ChunkId> {
+        let mut best: Option<(ChunkId, Unmappable)> = None;
+        for c in self.pool.bare_larger_than(pages).take(CHUNK_SPLIT_CANDIDATES) {
+            let when = self.unmappable(c);
+            if when == Unmappable::Now {
+                return Some(c);
+            }
+            if best.map_or(true, |b| when < b.1) {
+                best = Some((c, when));
+            }
+        }
+        best.map(|b| b.0)
+    }
+
+    /// When the mappings of bare chunk `c`, all retired ranges, may be unmapped.
+    fn unmappable(&self, c: ChunkId) -> Unmappable {
+        let mappings = self.pool.try_get(c).map_or(0, |ch| ch.mappings as usize);
+        let (n, all_ready) = self
+            .va
+            .retired()
+            .filter(|r| r.chunks.contains(&c))
+            .fold((0, true), |(n, ok), r| (n + 1, ok && retired_ready(&self.streams, r)));
+        match (all_ready, n == mappings) {
+            (true, true) if n > 0 => Unmappable::Now,
+            (true, _) => Unmappable::AfterBatch,
+            (false, _) => Unmappable::AfterWork,
+        }
+    }
+
     /// Takes retired ranges whose stream work has completed out for unmapping, merged into runs:
     /// with `only`, the ranges that map that chunk if that is every mapping it has and all can
-    /// go now (so it can be split); otherwise all of them.
+    /// go now (so it can be split), none if some are in another batch; otherwise all of them.
     pub fn take_unmap_batch(&mut self, only: Option<ChunkId>) -> Vec<UnmapRun> {
         let streams = &self.streams;
-        let ready = |r: &Retired| match r.after {
-            None => true,
-            // A stream forgotten had every epoch done (`Streams::forget_if_idle`).
-            Some((s, epoch)) => streams.get(s).map_or(true, |f| f.is_done(epoch)),
-        };
+        let ready = |r: &Retired| retired_ready(streams, r);
         let max = self.lim.unmap_run_handles;
-        let frees_it = only.and_then(|c| {
-            let mappings = self.pool.try_get(c)?.mappings as usize;
-            let (n, all_ready) = self
-                .va
-                .retired()
-                .filter(|r| r.chunks.contains(&c))
-                .fold((0, true), |(n, ok), r| (n + 1, ok && ready(r)));
-            (n > 0 && n == mappings && all_ready).then_some(c)
-        });
-        let runs = match frees_it {
-            Some(c) => {
+        let runs = match only.map(|c| (c, self.unmappable(c))) {
+            Some((c, Unmappable::Now)) => {
                 self.stats.targeted_flushes += 1;
                 self.va.take_retired_runs(max, |r| r.chunks.contains(&c))
             }
-            None => self.va.take_retired_runs(max, ready),
+            // Its ranges are in another thread's batch: the caller waits for it to land (the
+            // worker's stops early when asked).
+            Some((_, Unmappable::AfterBatch)) => Vec::new(),
+            // Its ranges wait for their streams' work: unmap whatever can go meanwhile.
+            Some((_, Unmappable::AfterWork)) | None => self.va.take_retired_runs(max, ready),
         };
         self.unmapping += runs.len();
         for run in &runs {

@@ -131,12 +131,13 @@ fn release_created(driver: &dyn Driver, created: &mut Vec<(ChunkHandle, u64)>, k
 }
 
 /// Unmaps runs of retired ranges taken out of the queue under the lock, one call each (one
-/// batch of driver calls), calling `between` before every call but the first. Returns how many
-/// were unmapped, and the error that stopped it. `between` must make no driver call.
+/// batch of driver calls), calling `between` before every call but the first; it stops there
+/// when `between` says not to go on. Returns how many were unmapped, and the error that
+/// stopped it. `between` must make no driver call.
 pub(crate) fn unmap_runs(
     driver: &dyn Driver,
     runs: &[super::vaspace::UnmapRun],
-    between: impl Fn(),
+    between: impl Fn() -> bool,
 ) -> (usize, Option<DriverError>) {
     batched(driver, || unmap_runs_calls(driver, runs, between))
 }
@@ -144,11 +145,11 @@ pub(crate) fn unmap_runs(
 fn unmap_runs_calls(
     driver: &dyn Driver,
     runs: &[super::vaspace::UnmapRun],
-    between: impl Fn(),
+    between: impl Fn() -> bool,
 ) -> (usize, Option<DriverError>) {
     for (i, run) in runs.iter().enumerate() {
-        if i > 0 {
-            between();
+        if i > 0 && !between() {
+            return (i, None);
         }
         if let Err(e) = driver.unmap(run.va, run.len as usize) {
             return (i, Some(e));
@@ -211,15 +212,33 @@ mod tests {
         let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
         let d = Instrumented::new(HostDriver::new(cfg).unwrap());
         let between = Cell::new(0);
+        let count = || {
+            between.set(between.get() + 1);
+            true
+        };
         let runs = three_runs(&d);
-        let (done, err) = unmap_runs(&d, &runs, || between.set(between.get() + 1));
+        let (done, err) = unmap_runs(&d, &runs, count);
         assert_eq!((done, err.is_none(), between.get()), (3, true, 2));
 
         between.set(0);
         let runs = three_runs(&d);
         d.fail_nth(CallKind::Unmap, 2, None);
-        let (done, err) = unmap_runs(&d, &runs, || between.set(between.get() + 1));
+        let (done, err) = unmap_runs(&d, &runs, count);
         assert_eq!((done, err.map(|e| e.call), between.get()), (1, Some(CallKind::Unmap), 1));
+    }
+
+    #[test]
+    fn unmap_runs_stops_before_a_call_when_between_says_so() {
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let d = Instrumented::new(HostDriver::new(cfg).unwrap());
+        let runs = three_runs(&d);
+        let between = Cell::new(0);
+        let (done, err) = unmap_runs(&d, &runs, || {
+            between.set(between.get() + 1);
+            between.get() < 2
+        });
+        assert_eq!((done, err.is_none(), between.get()), (2, true, 2));
+        assert_eq!(d.inner().mapping_count(), 1, "the third run is still mapped");
     }
 
     #[test]

@@ -142,9 +142,9 @@ impl Pool {
         Some(self.unbare(p, id))
     }
 
-    /// The smallest bare chunk larger than `pages` (mapped or not), left bare.
-    pub fn smallest_bare_larger_than(&self, pages: u64) -> Option<ChunkId> {
-        self.bare.range((pages + 1, 0)..).next().map(|&(_, id)| id)
+    /// The bare chunks larger than `pages` (mapped or not), smallest first, left bare.
+    pub fn bare_larger_than(&self, pages: u64) -> impl Iterator<Item = ChunkId> + '_ {
+        self.bare.range((pages + 1, 0)..).map(|&(_, id)| id)
     }
 
     /// Whether some bare chunk larger than `pages` exists (mapped or not).

@@ -368,6 +368,36 @@ fn a_flush_races_a_request_and_the_worker() {
     });
 }
 
+/// A request that must split a chunk still mapped at its old addresses races the worker's
+/// unmap batch, which may hold those addresses and another range's: the request waits for the
+/// batch, which stops early once a request waits and puts the rest back, and then unmaps what
+/// it needs itself. Nothing is unmapped twice, and all memory comes back.
+#[test]
+fn a_split_waits_for_the_workers_unmap_batch_which_stops_early() {
+    model(|| {
+        let a = allocator(8, 4);
+        let c = a.malloc(4 * PAGE).unwrap();
+        let g = a.malloc(PAGE).unwrap();
+        stamp(&*a, g, PAGE, 1).unwrap();
+        let k = a.malloc(PAGE).unwrap();
+        a.free(c).unwrap();
+        a.free(k).unwrap();
+        // Both cached ranges retired (apart: two unmap calls); their chunks bare, still mapped.
+        a.shared().heap().retire_all_free();
+        let w = {
+            let a = a.clone();
+            thread::spawn(move || {
+                a.shared().flush_in_background().unwrap();
+            })
+        };
+        let t = request(&a, 2 * PAGE, None, 2);
+        w.join().unwrap();
+        let p = t.join().unwrap();
+        assert_eq!(a.stats().chunk_splits, 1, "the request did not split the chunk");
+        finish(&a, &[(g, PAGE, 1), (p, 2 * PAGE, 2)]);
+    });
+}
+
 /// Two requests and the worker's window refill at once, three threads: together they need
 /// every page of the cap, so each must wait for, or take from, the others' work in flight.
 /// Bounded at 3 preemptions, 35 s (at 4 it passes too, in 12 minutes).

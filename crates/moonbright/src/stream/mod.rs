@@ -50,6 +50,22 @@ impl Waits {
     }
 }
 
+/// Holds a counter raised by one while it lives.
+pub(crate) struct Raised<'a>(&'a AtomicUsize);
+
+impl<'a> Raised<'a> {
+    pub(crate) fn new(counter: &'a AtomicUsize) -> Self {
+        counter.fetch_add(1, Ordering::AcqRel);
+        Raised(counter)
+    }
+}
+
+impl Drop for Raised<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The error of a request that waited `MAX_WAIT` for other threads' unmaps or plans.
 fn gave_up() -> Error {
     Error::Driver(DriverError::new(
@@ -75,6 +91,11 @@ pub(crate) struct Shared {
     /// Requests running a map plan now. The driver serialises VMM calls, so an unmap batch lets
     /// them go first between its calls (`give_way`) rather than make them wait for all of it.
     requests_mapping: AtomicUsize,
+    /// Requests waiting for unmaps that another thread's batch has taken (a chunk to split, or
+    /// addresses to reuse, still mapped by ranges in that batch). The worker's batch stops at
+    /// its next call and puts the rest back, so that such a request waits for one unmap call,
+    /// not a batch of hundreds, and then unmaps what it needs itself.
+    pub(crate) requests_flushing: AtomicUsize,
     /// The peer devices granted access to this device's memory. Every map plan holds it for
     /// reading from its execution to its commit, and every unmap batch from its calls to its
     /// commit; `enable_peer_access` holds it for writing, so that no mapping is in flight while
@@ -105,6 +126,7 @@ impl Shared {
             stop: AtomicBool::new(false),
             options,
             requests_mapping: AtomicUsize::new(0),
+            requests_flushing: AtomicUsize::new(0),
             peers: RwLock::new(Vec::new()),
             graphs: Mutex::new(Default::default()),
             graphs_active: AtomicBool::new(false),
@@ -418,6 +440,7 @@ impl Shared {
                 return Ok(None);
             }
         }
+        let mut flushing = None;
         while waits.elapsed() < MAX_WAIT {
             let step = self.heap().plan_range(pages, requested, stream);
             match step {
@@ -436,7 +459,9 @@ impl Shared {
                 }
                 Step::Flush(only) => {
                     if !self.flush_only(only, false)? {
-                        // Another thread's unmaps are in flight: let them land.
+                        // Another thread's unmaps are in flight: let them land, and have the
+                        // worker's batch stop early.
+                        flushing.get_or_insert_with(|| Raised::new(&self.requests_flushing));
                         pause(WAIT_STEP);
                     }
                 }
@@ -607,14 +632,15 @@ impl Shared {
     }
 
     /// The background worker's flush: as `flush`, but between its unmap calls it gives way to
-    /// requests that are mapping.
+    /// requests that are mapping, and it stops early (putting back the runs it has not
+    /// unmapped) once a request waits for runs it holds (`requests_flushing`).
     pub fn flush_in_background(&self) -> Result<bool> {
         self.flush_only(None, true)
     }
 
     /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives, giving way between calls
-    /// if asked (never when a request flushes for itself). Returns whether there was anything
-    /// to unmap.
+    /// and stopping early if asked (never when a request flushes for itself). Returns whether
+    /// there was anything to unmap.
     fn flush_only(&self, only: Option<crate::core::pool::ChunkId>, yields: bool) -> Result<bool> {
         let mapping = self.mapping_scope();
         let runs = self.heap().take_unmap_batch(only);
@@ -622,9 +648,11 @@ impl Shared {
             return Ok(false);
         }
         let (done, error) = unmap_runs(&self.driver, &runs, || {
-            if yields {
-                self.give_way()
+            if !yields {
+                return true;
             }
+            self.give_way();
+            self.requests_flushing.load(Ordering::Acquire) == 0
         });
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
