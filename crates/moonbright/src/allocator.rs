@@ -745,31 +745,44 @@ mod tests {
         a.check_invariants().unwrap();
     }
 
-    /// The worker's unmap batch stops before its next call once a request waits for ranges it
-    /// holds (`requests_flushing`) and puts back what it has not unmapped; a flush of the
-    /// user's or a request's own never stops early.
+    /// While a request waits for ranges the worker's unmap batch holds (`requests_flushing`),
+    /// the batch stops before each next call and commits what it has unmapped, so the request
+    /// sees each unmap at once, then goes on with the rest; without a waiter it is one batch.
+    /// A flush of the user's or a request's own never stops early.
     #[test]
-    fn the_workers_unmap_batch_stops_early_for_a_waiting_request() {
+    fn the_workers_unmap_batch_commits_call_by_call_while_a_request_waits() {
         let page = 64 << 10;
         let opts = Options { background: false, ..Options::host(64 << 20, page) };
         let a = Allocator::new(opts).unwrap();
-        // Three one-page ranges freed between live ones, then stolen by a larger request: three
+        // `n` one-page ranges freed between live ones, then stolen by a larger request: `n`
         // retired ranges, apart, each its own unmap call.
-        let r: Vec<_> = (0..5).map(|_| a.malloc(page).unwrap()).collect();
-        for i in [0, 2, 4] {
-            a.free(r[i]).unwrap();
-        }
-        let big = a.malloc(4 * page).unwrap();
-        assert_eq!(a.stats().retired_ranges.current, 3);
-        let unmaps = || a.stats().driver_calls.get(CallKind::Unmap);
+        let retire = |n: usize| {
+            let r: Vec<_> = (0..2 * n).map(|_| a.malloc(page).unwrap()).collect();
+            for p in r.iter().step_by(2) {
+                a.free(*p).unwrap();
+            }
+            let big = a.malloc((n + 1) * page).unwrap();
+            assert_eq!(a.stats().retired_ranges.current, n as u64);
+            r.into_iter().skip(1).step_by(2).chain([big]).collect::<Vec<_>>()
+        };
+        let batches = || a.stats().unmap_batches;
+        let live = retire(3);
         let waiting = Raised::new(&a.shared.requests_flushing);
+        let before = batches();
         assert!(a.shared.flush_in_background().unwrap());
-        assert_eq!((unmaps(), a.stats().retired_ranges.current), (1, 2), "it did not stop");
+        assert_eq!(batches() - before, 3, "it did not commit after each call");
+        assert_eq!(a.stats().retired_ranges.current, 0);
         a.check_invariants().unwrap();
+        let live2 = retire(3);
+        let before = batches();
         assert!(a.shared.flush().unwrap());
-        assert_eq!((unmaps(), a.stats().retired_ranges.current), (3, 0));
+        assert_eq!((batches() - before, a.stats().retired_ranges.current), (1, 0));
         drop(waiting);
-        for p in [r[1], r[3], big] {
+        let live3 = retire(3);
+        let before = batches();
+        assert!(a.shared.flush_in_background().unwrap());
+        assert_eq!((batches() - before, a.stats().retired_ranges.current), (1, 0));
+        for p in live.into_iter().chain(live2).chain(live3) {
             a.free(p).unwrap();
         }
         a.check_invariants().unwrap();

@@ -27,6 +27,9 @@ const RECORDED_JUST_NOW: std::time::Duration = std::time::Duration::from_millis(
 
 /// The longest an unmap batch pauses between its calls for requests that are mapping.
 const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
+/// How long the worker, having stopped its unmap batch for a waiting request, lets that request
+/// take the ranges it needs before going on: a few of the request's `WAIT_STEP`s.
+const TAKE_TURN: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// What a request has waited for so far, over its tries of the fast paths and the slow one.
 struct Waits {
@@ -93,8 +96,8 @@ pub(crate) struct Shared {
     requests_mapping: AtomicUsize,
     /// Requests waiting for unmaps that another thread's batch has taken (a chunk to split, or
     /// addresses to reuse, still mapped by ranges in that batch). The worker's batch stops at
-    /// its next call and puts the rest back, so that such a request waits for one unmap call,
-    /// not a batch of hundreds, and then unmaps what it needs itself.
+    /// its next call, commits and puts the rest back (`flush_in_background`), so that such a
+    /// request waits for one unmap call, not a batch of hundreds.
     pub(crate) requests_flushing: AtomicUsize,
     /// The peer devices granted access to this device's memory. Every map plan holds it for
     /// reading from its execution to its commit, and every unmap batch from its calls to its
@@ -458,7 +461,9 @@ impl Shared {
                     self.heap().add_reservation(base, len);
                 }
                 Step::Flush(only) => {
-                    if !self.flush_only(only, false)? {
+                    if self.flush_only(only)? {
+                        flushing = None;
+                    } else {
                         // Another thread's unmaps are in flight: let them land, and have the
                         // worker's batch stop early.
                         flushing.get_or_insert_with(|| Raised::new(&self.requests_flushing));
@@ -628,24 +633,50 @@ impl Shared {
 
     /// Unmaps every retired range now. Returns whether there was anything to unmap.
     pub fn flush(&self) -> Result<bool> {
-        self.flush_only(None, false)
+        self.flush_only(None)
     }
 
     /// The background worker's flush: as `flush`, but between its unmap calls it gives way to
-    /// requests that are mapping, and it stops early (putting back the runs it has not
-    /// unmapped) once a request waits for runs it holds (`requests_flushing`).
+    /// requests that are mapping. Once a request waits for runs its batch holds
+    /// (`requests_flushing`), it stops before its next call, commits what it has unmapped and
+    /// puts the rest back; it lets the request take what it needs (`TAKE_TURN`), then goes on
+    /// with what is left. So such a request waits for one unmap call, and the rest of
+    /// the batch stays off the requests' path.
     pub fn flush_in_background(&self) -> Result<bool> {
-        self.flush_only(None, true)
+        let mut any = false;
+        loop {
+            let (unmapped, stopped) = self.flush_batch(None, true)?;
+            any |= unmapped;
+            if !stopped {
+                return Ok(any);
+            }
+            let start = std::time::Instant::now();
+            while self.requests_flushing.load(Ordering::Acquire) > 0 && start.elapsed() < TAKE_TURN
+            {
+                crate::sync::yield_now();
+            }
+        }
     }
 
-    /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives, giving way between calls
-    /// and stopping early if asked (never when a request flushes for itself). Returns whether
-    /// there was anything to unmap.
-    fn flush_only(&self, only: Option<crate::core::pool::ChunkId>, yields: bool) -> Result<bool> {
+    /// A request's or the user's flush: unmaps the retired ranges `Heap::take_unmap_batch(only)`
+    /// gives, all of them. Returns whether there was anything to unmap.
+    fn flush_only(&self, only: Option<crate::core::pool::ChunkId>) -> Result<bool> {
+        self.flush_batch(only, false).map(|(unmapped, _)| unmapped)
+    }
+
+    /// Unmaps the retired ranges `Heap::take_unmap_batch(only)` gives and commits the outcome;
+    /// with `yields` (the worker's), it gives way to mapping requests between calls and stops
+    /// early while a request waits for runs it holds. Returns whether there was anything to
+    /// unmap, and whether it stopped early.
+    fn flush_batch(
+        &self,
+        only: Option<crate::core::pool::ChunkId>,
+        yields: bool,
+    ) -> Result<(bool, bool)> {
         let mapping = self.mapping_scope();
         let runs = self.heap().take_unmap_batch(only);
         if runs.is_empty() {
-            return Ok(false);
+            return Ok((false, false));
         }
         let (done, error) = unmap_runs(&self.driver, &runs, || {
             if !yields {
@@ -654,6 +685,7 @@ impl Shared {
             self.give_way();
             self.requests_flushing.load(Ordering::Acquire) == 0
         });
+        let stopped = done < runs.len() && error.is_none();
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
@@ -667,7 +699,7 @@ impl Shared {
                 heap.take_deferred_error();
                 Err(e.into())
             }
-            None => Ok(true),
+            None => Ok((true, stopped)),
         }
     }
 
