@@ -126,6 +126,7 @@ impl Outcome {
                 "cached_ranges_stolen": s.cached_ranges_stolen,
                 "cached_ranges_split": s.cached_ranges_split,
                 "chunk_splits": s.chunk_splits,
+                "flushes_for_addresses": s.flushes_for_addresses,
                 "flushes_for_split": s.flushes_for_split,
                 "targeted_flushes": s.targeted_flushes,
                 "unmap_batches": s.unmap_batches,
