@@ -448,6 +448,8 @@ impl Shared {
             let step = self.heap().plan_range(pages, requested, stream);
             match step {
                 Step::Map(plan) => {
+                    // No longer waiting for unmaps: let the worker's batches run whole again.
+                    drop(flushing.take());
                     let _mapping = self.mapping_scope();
                     let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
@@ -462,7 +464,7 @@ impl Shared {
                 }
                 Step::Flush(only) => {
                     if self.flush_only(only)? {
-                        flushing = None;
+                        drop(flushing.take());
                     } else {
                         // Another thread's unmaps are in flight: let them land, and have the
                         // worker's batch stop early.
