@@ -685,6 +685,7 @@ impl Drop for Allocator {
 mod tests {
     use super::*;
     use crate::stream::Raised;
+    use crate::sync::atomic::Ordering;
     use crate::CallKind;
 
     /// The worker's event stock (driven here by hand: no worker) tops up to its target once it is
@@ -817,6 +818,42 @@ mod tests {
         a.shared.heap().commit_unmap(held, 0, None);
         a.check_invariants().unwrap();
         assert!(a.shared.flush().unwrap());
+        a.free(two).unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    /// A split whose only candidate chunk is still mapped by ranges another thread's batch
+    /// holds waits for that batch, and says so (`requests_flushing`, which stops the worker's
+    /// batches early); once the batch is put back, it unmaps that chunk's ranges itself and
+    /// goes on.
+    #[test]
+    fn a_split_waiting_for_another_batch_asks_it_to_stop() {
+        let page = 64 << 10;
+        let opts = Options {
+            background: false,
+            max_chunk_bytes: 4 * page as u64,
+            ..Options::host(64 << 20, page)
+        };
+        let a = Allocator::new(opts).unwrap();
+        let four = a.malloc(4 * page).unwrap();
+        a.free(four).unwrap();
+        a.shared.heap().retire_all_free();
+        let held = a.shared.heap().take_unmap_batch(None);
+        assert_eq!(held.len(), 1);
+        let two = std::thread::scope(|s| {
+            let request = s.spawn(|| a.malloc(2 * page));
+            let start = std::time::Instant::now();
+            while a.shared.requests_flushing.load(Ordering::Acquire) == 0 {
+                assert!(start.elapsed().as_secs() < 5, "the request never asked the batch to stop");
+                std::thread::yield_now();
+            }
+            // The other thread's batch stops without unmapping anything and puts its run back.
+            a.shared.heap().commit_unmap(held, 0, None);
+            request.join().unwrap().unwrap()
+        });
+        assert_eq!(a.shared.requests_flushing.load(Ordering::Acquire), 0);
+        let st = a.stats();
+        assert_eq!((st.chunk_splits, st.targeted_flushes), (1, 1));
         a.free(two).unwrap();
         a.check_invariants().unwrap();
     }

@@ -1672,9 +1672,19 @@ impl Heap {
         }
     }
 
+    /// Whether a request that `Step::Flush(only)` found nothing to unmap waits for another
+    /// thread's unmap batch (not for stream work): for a chunk to split, some of its ranges are
+    /// in one; for addresses, some batch is in flight.
+    pub fn waits_for_batch(&self, only: Option<ChunkId>) -> bool {
+        match only {
+            Some(c) => self.unmappable(c) == Unmappable::AfterBatch,
+            None => self.unmapping > 0,
+        }
+    }
+
     /// Takes retired ranges whose stream work has completed out for unmapping, merged into runs:
     /// with `only`, the ranges that map that chunk if that is every mapping it has and all can
-    /// go now (so it can be split), none if some are in another batch; otherwise all of them.
+    /// go now (so it can be split), else none; otherwise all of them.
     pub fn take_unmap_batch(&mut self, only: Option<ChunkId>) -> Vec<UnmapRun> {
         let streams = &self.streams;
         let ready = |r: &Retired| retired_ready(streams, r);
@@ -1684,11 +1694,11 @@ impl Heap {
                 self.stats.targeted_flushes += 1;
                 self.va.take_retired_runs(max, |r| r.chunks.contains(&c))
             }
-            // Its ranges are in another thread's batch: the caller waits for it to land (the
-            // worker's stops early when asked).
-            Some((_, Unmappable::AfterBatch)) => Vec::new(),
-            // Its ranges wait for their streams' work: unmap whatever can go meanwhile.
-            Some((_, Unmappable::AfterWork)) | None => self.va.take_retired_runs(max, ready),
+            // Its ranges are in another thread's batch (the caller waits for it to land; the
+            // worker's stops early when asked), or wait for their streams' work: unmapping
+            // others would not help, and would put all of them on the request's path.
+            Some((_, Unmappable::AfterBatch | Unmappable::AfterWork)) => Vec::new(),
+            None => self.va.take_retired_runs(max, ready),
         };
         self.unmapping += runs.len();
         for run in &runs {

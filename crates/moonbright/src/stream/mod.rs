@@ -27,9 +27,6 @@ const RECORDED_JUST_NOW: std::time::Duration = std::time::Duration::from_millis(
 
 /// The longest an unmap batch pauses between its calls for requests that are mapping.
 const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
-/// How long the worker, having stopped its unmap batch for a waiting request, lets that request
-/// take the ranges it needs before going on: a few of the request's `WAIT_STEP`s.
-const TAKE_TURN: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// What a request has waited for so far, over its tries of the fast paths and the slow one.
 struct Waits {
@@ -465,11 +462,18 @@ impl Shared {
                 Step::Flush(only) => {
                     if self.flush_only(only)? {
                         drop(flushing.take());
-                    } else {
-                        // Another thread's unmaps are in flight: let them land, and have the
-                        // worker's batch stop early.
+                    } else if self.heap().waits_for_batch(only) {
+                        // Another thread's unmap batch holds the ranges: have the worker's stop
+                        // early, and let it land.
                         flushing.get_or_insert_with(|| Raised::new(&self.requests_flushing));
                         pause(WAIT_STEP);
+                    } else {
+                        // The ranges wait for their streams' work: look for completed events
+                        // rather than wait for the worker's tick.
+                        drop(flushing.take());
+                        if !self.poll_events() {
+                            pause(WAIT_STEP);
+                        }
                     }
                 }
                 Step::Wait => {
@@ -641,9 +645,10 @@ impl Shared {
     /// The background worker's flush: as `flush`, but between its unmap calls it gives way to
     /// requests that are mapping. Once a request waits for runs its batch holds
     /// (`requests_flushing`), it stops before its next call, commits what it has unmapped and
-    /// puts the rest back; it lets the request take what it needs (`TAKE_TURN`), then goes on
-    /// with what is left. So such a request waits for one unmap call, and the rest of
-    /// the batch stays off the requests' path.
+    /// puts the rest back; it waits until the request has taken what it needs (up to
+    /// `GIVE_WAY_MAX`), then goes on with what is left. So such a request waits for one unmap
+    /// call, and the rest of the batch stays off the requests' path. (Going on at once would
+    /// take the request's ranges back before it could: it would wait again, call after call.)
     pub fn flush_in_background(&self) -> Result<bool> {
         let mut any = false;
         loop {
@@ -653,7 +658,8 @@ impl Shared {
                 return Ok(any);
             }
             let start = std::time::Instant::now();
-            while self.requests_flushing.load(Ordering::Acquire) > 0 && start.elapsed() < TAKE_TURN
+            while self.requests_flushing.load(Ordering::Acquire) > 0
+                && start.elapsed() < GIVE_WAY_MAX
             {
                 crate::sync::yield_now();
             }
