@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moonbright::driver::cuda;
 use moonbright::trace::{self, Format, RecordedFigures, ReplayOptions, ReplayReport, Trace};
-use moonbright::{Allocator, BackendKind, Options, Stats};
+use moonbright::{Allocator, BackendKind, CallKind, Options, Stats};
 use serde_json::{json, Value};
 
 use crate::{ReplayArgs, GIB, MIB};
@@ -108,9 +108,8 @@ impl Outcome {
                     "event": a.event,
                     "size": a.size,
                     "us": a.ns as f64 / 1000.0,
-                    "calls_meanwhile": a.calls_made()
-                        .map(|(k, n, ns)| (k.key().to_string(), serde_json::json!({"calls": n, "us": ns as f64 / 1000.0})))
-                        .collect::<serde_json::Map<_, _>>(),
+                    "calls_meanwhile": calls_json(a.calls_made()),
+                    "own_calls": calls_json(a.own_calls_made()),
                 })).collect::<Vec<_>>(),
             },
             "moonbright": {
@@ -358,23 +357,45 @@ pub(crate) fn print_summary(o: &Outcome) {
         s.num_ooms,
     );
     println!("driver calls ({}): {}", s.driver_calls.total(), calls(s));
-    println!("slowest allocs (driver calls meanwhile, by any thread; VMM time in µs):");
+    println!(
+        "slowest allocs (driver calls it made | other threads' calls meanwhile; VMM time in µs):"
+    );
     for a in &r.slowest {
-        let made: Vec<String> = a
-            .calls_made()
-            .map(|(k, n, ns)| match ns {
-                0 => format!("{} {n}", k.key()),
-                _ => format!("{} {n} ({:.0})", k.key(), ns as f64 / 1000.0),
-            })
-            .collect();
         println!(
-            "  event {:>8}: {:>10} bytes, {}: {}",
+            "  event {:>8}: {:>10} bytes, {}: {} | {}",
             a.event,
             a.size,
             us(Some(a.ns as f64 / 1000.0)),
-            if made.is_empty() { "none".to_string() } else { made.join(", ") }
+            calls_text(a.own_calls_made()),
+            calls_text(a.others_calls_made()),
         );
     }
+}
+
+/// `kind n (µs), ...` for `(kind, calls, nanoseconds)`; `none` if empty.
+fn calls_text(calls: impl Iterator<Item = (CallKind, u64, u64)>) -> String {
+    let made: Vec<String> = calls
+        .map(|(k, n, ns)| match ns {
+            0 => format!("{} {n}", k.key()),
+            _ => format!("{} {n} ({:.0})", k.key(), ns as f64 / 1000.0),
+        })
+        .collect();
+    if made.is_empty() {
+        "none".to_string()
+    } else {
+        made.join(", ")
+    }
+}
+
+/// `{kind: {calls, us}}` for `(kind, calls, nanoseconds)`.
+fn calls_json(
+    calls: impl Iterator<Item = (CallKind, u64, u64)>,
+) -> serde_json::Map<String, serde_json::Value> {
+    calls
+        .map(|(k, n, ns)| {
+            (k.key().to_string(), serde_json::json!({"calls": n, "us": ns as f64 / 1000.0}))
+        })
+        .collect()
 }
 
 pub(crate) fn command(

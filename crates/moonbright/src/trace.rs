@@ -570,25 +570,53 @@ pub struct ReplayReport {
 pub const SLOWEST_KEPT: usize = 5;
 
 /// One of a replay's slowest allocations: which, how long, and the driver calls made while it
-/// ran (by any thread: the background worker's count too), to tell what a tail is made of.
+/// ran, by any thread (the background worker's too) and by the request's own thread, to tell
+/// what a tail is made of.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlowAlloc {
     /// The event's index in the trace.
     pub event: u64,
     pub size: u64,
     pub ns: u64,
-    /// Calls by kind meanwhile.
+    /// Calls by kind meanwhile, by any thread.
     pub calls: CallCounts,
-    /// Nanoseconds in the virtual-memory calls of each kind meanwhile.
+    /// Nanoseconds in the virtual-memory calls of each kind meanwhile, by any thread (calls of
+    /// two threads at once both count).
     pub call_ns: [u64; CallKind::ALL.len()],
+    /// Of those, the calls the request's own thread made, and their nanoseconds.
+    pub own_calls: CallCounts,
+    pub own_ns: [u64; CallKind::ALL.len()],
 }
 
 impl SlowAlloc {
-    /// `(kind, calls, nanoseconds)` for each kind called meanwhile.
+    /// `(kind, calls, nanoseconds)` for each kind called meanwhile, by any thread.
     pub fn calls_made(&self) -> impl Iterator<Item = (CallKind, u64, u64)> + '_ {
         CallKind::ALL
             .iter()
             .map(|&k| (k, self.calls.get(k), self.call_ns[k as usize]))
+            .filter(|&(_, n, _)| n > 0)
+    }
+
+    /// The same for the calls the request's own thread made.
+    pub fn own_calls_made(&self) -> impl Iterator<Item = (CallKind, u64, u64)> + '_ {
+        CallKind::ALL
+            .iter()
+            .map(|&k| (k, self.own_calls.get(k), self.own_ns[k as usize]))
+            .filter(|&(_, n, _)| n > 0)
+    }
+
+    /// The same for the calls other threads made meanwhile (the worker's, in a replay).
+    pub fn others_calls_made(&self) -> impl Iterator<Item = (CallKind, u64, u64)> + '_ {
+        CallKind::ALL
+            .iter()
+            .map(|&k| {
+                let i = k as usize;
+                (
+                    k,
+                    self.calls.get(k).saturating_sub(self.own_calls.get(k)),
+                    self.call_ns[i].saturating_sub(self.own_ns[i]),
+                )
+            })
             .filter(|&(_, n, _)| n > 0)
     }
 }
@@ -660,6 +688,7 @@ pub fn replay(
                 rep.allocs += 1;
                 let driver = alloc.driver();
                 let (calls, times) = (driver.counts(), driver.times());
+                let (own_calls, own_times) = crate::driver::thread_calls();
                 let t = Instant::now();
                 let r = alloc.malloc_async(e.size as usize, StreamHandle(e.stream));
                 let dt = t.elapsed().as_nanos() as u64;
@@ -669,15 +698,18 @@ pub fn replay(
                         if rep.slowest.len() < SLOWEST_KEPT
                             || rep.slowest.last().is_some_and(|s| s.ns < dt)
                         {
-                            let spent = |after: CallTimes| {
-                                std::array::from_fn(|k| after.total_ns[k] - times.total_ns[k])
+                            let spent = |after: CallTimes, before: CallTimes| {
+                                std::array::from_fn(|k| after.total_ns[k] - before.total_ns[k])
                             };
+                            let (own_after, own_times_after) = crate::driver::thread_calls();
                             let a = SlowAlloc {
                                 event: i as u64,
                                 size: e.size,
                                 ns: dt,
                                 calls: driver.counts().since(&calls),
-                                call_ns: spent(driver.times()),
+                                call_ns: spent(driver.times(), times),
+                                own_calls: own_after.since(&own_calls),
+                                own_ns: spent(own_times_after, own_times),
                             };
                             keep_if_slow(&mut rep.slowest, a);
                         }
@@ -763,6 +795,8 @@ mod tests {
             ns,
             calls: CallCounts::default(),
             call_ns: [0; CallKind::ALL.len()],
+            own_calls: CallCounts::default(),
+            own_ns: [0; CallKind::ALL.len()],
         };
         for ns in [5, 1, 9, 3, 7, 8, 2, 10, 4] {
             keep_if_slow(&mut kept, slow(ns));

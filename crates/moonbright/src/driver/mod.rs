@@ -422,6 +422,27 @@ impl CallTimes {
     }
 }
 
+// The calls each thread made through any `Instrumented` driver, and the time in its timed
+// ones: how a replay tells a slow request's own calls from those other threads made beside it.
+#[cfg(not(loom))]
+thread_local! {
+    static THREAD_CALLS: std::cell::RefCell<(CallCounts, CallTimes)> =
+        std::cell::RefCell::new(Default::default());
+}
+
+/// The calls the calling thread has made so far through any [`Instrumented`] driver, and the
+/// time in its virtual-memory calls (the maximum is not kept). All zero under loom.
+pub fn thread_calls() -> (CallCounts, CallTimes) {
+    #[cfg(not(loom))]
+    {
+        THREAD_CALLS.with(|t| *t.borrow())
+    }
+    #[cfg(loom)]
+    {
+        Default::default()
+    }
+}
+
 /// A planned failure: the `nth` next call of `kind` (1 = the very next) fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PlannedFailure {
@@ -493,6 +514,7 @@ impl<D: Driver> Instrumented<D> {
             let start = std::time::Instant::now();
             let r = call();
             let ns = start.elapsed().as_nanos() as u64;
+            THREAD_CALLS.with(|t| t.borrow_mut().1.total_ns[kind as usize] += ns);
             let (total, max) = &self.nanos[kind as usize];
             total.fetch_add(ns, Ordering::Relaxed);
             // A compare-and-swap loop only when this call is a new maximum.
@@ -531,6 +553,8 @@ impl<D: Driver> Instrumented<D> {
     /// Counts the call and decides whether it is one planned to fail.
     fn enter(&self, kind: CallKind) -> DriverResult<()> {
         self.counts[kind as usize].fetch_add(1, Ordering::Relaxed);
+        #[cfg(not(loom))]
+        THREAD_CALLS.with(|t| t.borrow_mut().0 .0[kind as usize] += 1);
         if self.armed.load(Ordering::SeqCst) == 0 {
             return Ok(());
         }
@@ -669,6 +693,26 @@ impl<D: Driver> Driver for Instrumented<D> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// A thread's own counts take its calls through any instrumented driver, and not another
+    /// thread's.
+    #[cfg(not(miri))]
+    #[test]
+    fn thread_calls_count_only_the_calling_threads_calls() {
+        let d = Instrumented::new(
+            host::HostDriver::new(host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 })
+                .unwrap(),
+        );
+        let (before, _) = thread_calls();
+        let h = d.create_chunk(64 << 10).unwrap();
+        let other = std::thread::scope(|s| s.spawn(|| d.create_chunk(64 << 10).unwrap()).join());
+        let (after, times) = thread_calls();
+        let mine = after.since(&before);
+        assert_eq!((mine.get(CallKind::Create), d.counts().get(CallKind::Create)), (1, 2));
+        assert!(times.total_ns[CallKind::Create as usize] > 0);
+        d.release_chunk(h).unwrap();
+        d.release_chunk(other.unwrap()).unwrap();
+    }
 
     #[test]
     fn call_counts_since_subtracts_per_kind() {
