@@ -42,8 +42,17 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// Held by every test here for its whole run: some count the process's open descriptors, which
+/// the others' memfds and sockets would change if they ran at once (`cargo test` runs a file's
+/// tests on parallel threads).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
+    let _one = one_at_a_time();
     let a = host(8);
     let b = host(8);
     let p = stitched(&a, 4);
@@ -74,6 +83,7 @@ fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
 
 #[test]
 fn blocks_below_a_page_and_growables_are_shared_too() {
+    let _one = one_at_a_time();
     let a = host(8);
     let b = host(8);
     let small: Vec<u64> = (0..3).map(|_| a.malloc(1000).unwrap()).collect();
@@ -102,6 +112,7 @@ fn blocks_below_a_page_and_growables_are_shared_too() {
 
 #[test]
 fn bad_pointers_and_sharing_off_are_refused_and_change_nothing() {
+    let _one = one_at_a_time();
     let a = host(8);
     let p = a.malloc(2 * PAGE).unwrap();
     assert!(matches!(a.export(0xdead_0000), Err(Error::UnknownPointer { .. })));
@@ -119,6 +130,7 @@ fn bad_pointers_and_sharing_off_are_refused_and_change_nothing() {
 
 #[test]
 fn a_failed_export_closes_what_it_opened_and_keeps_the_allocation() {
+    let _one = one_at_a_time();
     let a = host(8);
     let p = stitched(&a, 4);
     let before = open_fds();
@@ -137,6 +149,7 @@ fn a_failed_export_closes_what_it_opened_and_keeps_the_allocation() {
 
 #[test]
 fn every_failure_of_an_import_leaves_nothing_mapped_or_reserved() {
+    let _one = one_at_a_time();
     let a = host(8);
     let p = stitched(&a, 4);
     a.write(p, &pattern(4 * PAGE, 5)).unwrap();
@@ -183,6 +196,7 @@ fn every_failure_of_an_import_leaves_nothing_mapped_or_reserved() {
 
 #[test]
 fn a_released_exported_chunk_keeps_its_bytes_for_the_importer() {
+    let _one = one_at_a_time();
     let a = host(8);
     let b = host(8);
     let p = a.malloc(PAGE).unwrap();
@@ -223,6 +237,7 @@ fn ipc_child() {
 
 #[test]
 fn a_child_process_reads_and_writes_an_export() {
+    let _one = one_at_a_time();
     let dir = std::env::temp_dir().join(format!("moonbright-ipc-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sock");
@@ -253,6 +268,7 @@ fn a_child_process_reads_and_writes_an_export() {
 
 #[test]
 fn a_peer_enabled_after_an_import_reaches_it_and_a_failed_grant_adds_no_peer() {
+    let _one = one_at_a_time();
     let a = host(8);
     let b = host(8);
     let p = stitched(&a, 2);
