@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 26, g8: a request's own unmap calls (for a split) count as mapping, so the worker's
+# unmap batch gives way to them (a071cbf, no suffix), against the allocator before (7669152,
+# with the replay's split of own and other threads' calls, "-prev"): the CUDA test binaries;
+# the ResNet and GPT-2 traces, four rounds of each build, interleaved; the stress, three
+# rounds of each.
+r=$OUT/r; mkdir -p $r
+source scripts/nvrtc-env.sh >/dev/null 2>&1
+export MOONBRIGHT_ALLOC_CONF=""
+SECONDS=0
+for t in "unit driver::cuda" "conformance cuda" "faults" "capture --nocapture" "growable cuda_" "streams" "paged" "ipc"; do
+  set -- $t; n=$1; shift
+  timeout 120 carry/bin/$n "$@" --test-threads 1 > $r/test-$n.log 2>&1; echo "$n rc=$? $(grep -E '^test result' $r/test-$n.log | tail -1 | cut -c1-60)"
+done
+echo "(${SECONDS}s)"
+for round in 1 2 3 4; do
+  for t in resnet gpt2; do
+    for b in moonbright-prev moonbright; do
+      timeout 60 carry/bin/$b replay --backend cuda carry/trace_$t.csv.gz --json $r/replay_${t}_${b}_$round.json > $r/replay_${t}_${b}_$round.log 2>&1
+      echo "$round $t $b rc=$? $(grep -E 'MoonBright reserved' $r/replay_${t}_${b}_$round.log | tr -s ' ' | cut -d' ' -f5-) | $(grep -E '^alloc latency' $r/replay_${t}_${b}_$round.log | cut -c16-)"
+    done
+  done
+done
+echo "(${SECONDS}s)"
+for round in 1 2 3; do
+  for b in stress-prev stress; do
+    timeout 120 carry/bin/$b --no-baseline > $r/stress_${b}_$round.log 2>&1
+    echo "$round $b rc=$? $(grep -E '^MoonBright  ' $r/stress_${b}_$round.log | tr -s ' ')"
+  done
+done
+echo "(${SECONDS}s)"
+cp carry/g8.sh $r/run.sh
+cd $OUT && tar czf r.tgz r && rm -rf r
