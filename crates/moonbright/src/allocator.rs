@@ -789,25 +789,36 @@ mod tests {
         a.check_invariants().unwrap();
     }
 
-    /// A split whose smallest candidate chunk is still mapped by ranges another thread is
-    /// unmapping takes a larger candidate whose old addresses can go now, and unmaps only those
-    /// (a targeted flush) rather than wait for the other batch or unmap everything.
-    #[test]
-    fn a_split_passes_over_a_chunk_in_another_unmap_batch() {
+    /// A host allocator with no worker whose chunks hold at most four 64 KiB pages, and its page.
+    fn four_page_chunks() -> (Allocator, usize) {
         let page = 64 << 10;
         let opts = Options {
             background: false,
             max_chunk_bytes: 4 * page as u64,
             ..Options::host(64 << 20, page)
         };
-        let a = Allocator::new(opts).unwrap();
-        let three = a.malloc(3 * page).unwrap();
-        let four = a.malloc(4 * page).unwrap();
-        a.free(three).unwrap();
+        (Allocator::new(opts).unwrap(), page)
+    }
+
+    /// Frees the one-chunk range `p` and retires it (its chunk bare, still mapped there), then
+    /// takes its unmap out as another thread's batch would; returns that batch.
+    fn held_by_another_batch(a: &Allocator, p: DevicePtr) -> Vec<crate::core::vaspace::UnmapRun> {
+        a.free(p).unwrap();
         a.shared.heap().retire_all_free();
-        // Another thread's batch holds the three-page chunk's old addresses.
         let held = a.shared.heap().take_unmap_batch(None);
         assert_eq!(held.len(), 1);
+        held
+    }
+
+    /// A split whose smallest candidate chunk is still mapped by ranges another thread is
+    /// unmapping takes a larger candidate whose old addresses can go now, and unmaps only those
+    /// (a targeted flush) rather than wait for the other batch or unmap everything.
+    #[test]
+    fn a_split_passes_over_a_chunk_in_another_unmap_batch() {
+        let (a, page) = four_page_chunks();
+        let three = a.malloc(3 * page).unwrap();
+        let four = a.malloc(4 * page).unwrap();
+        let held = held_by_another_batch(&a, three);
         a.free(four).unwrap();
         a.shared.heap().retire_all_free();
         let unmaps = || a.stats().driver_calls.get(CallKind::Unmap);
@@ -828,18 +839,9 @@ mod tests {
     /// goes on.
     #[test]
     fn a_split_waiting_for_another_batch_asks_it_to_stop() {
-        let page = 64 << 10;
-        let opts = Options {
-            background: false,
-            max_chunk_bytes: 4 * page as u64,
-            ..Options::host(64 << 20, page)
-        };
-        let a = Allocator::new(opts).unwrap();
+        let (a, page) = four_page_chunks();
         let four = a.malloc(4 * page).unwrap();
-        a.free(four).unwrap();
-        a.shared.heap().retire_all_free();
-        let held = a.shared.heap().take_unmap_batch(None);
-        assert_eq!(held.len(), 1);
+        let held = held_by_another_batch(&a, four);
         let two = std::thread::scope(|s| {
             let request = s.spawn(|| a.malloc(2 * page));
             let start = std::time::Instant::now();

@@ -1,5 +1,5 @@
 //! The synchronisation primitives the crate uses, swapped for loom's under `cfg(loom)` so the
-//! model checker sees every atomic and lock (the crossbeam/tokio habit), and the one way a
+//! model checker sees every atomic and lock (the crossbeam/tokio habit), and the two ways a
 //! thread waits for another's progress.
 
 #[cfg(loom)]
@@ -20,10 +20,25 @@ pub(crate) fn pause(d: std::time::Duration) {
     std::thread::sleep(d);
 }
 
-/// Gives up the CPU once, to threads the caller waits for.
-pub(crate) fn yield_now() {
+/// Yields while `busy()` holds, for at most `limit`: how the background worker gives way to
+/// requests. Under loom, at most a few yields, as the model checker bounds the atomic loads a
+/// run may make and a wait measured in real time would spin past that bound.
+pub(crate) fn yield_while(busy: impl Fn() -> bool, limit: std::time::Duration) {
     #[cfg(loom)]
-    loom::thread::yield_now();
+    {
+        let _ = limit;
+        for _ in 0..3 {
+            if !busy() {
+                return;
+            }
+            loom::thread::yield_now();
+        }
+    }
     #[cfg(not(loom))]
-    std::thread::yield_now();
+    {
+        let start = std::time::Instant::now();
+        while busy() && start.elapsed() < limit {
+            std::thread::yield_now();
+        }
+    }
 }

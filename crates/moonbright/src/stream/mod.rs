@@ -194,10 +194,10 @@ impl Shared {
         if self.options.unmap_run_handles == 0 {
             return;
         }
-        let start = std::time::Instant::now();
-        while self.requests_mapping.load(Ordering::Acquire) > 0 && start.elapsed() < GIVE_WAY_MAX {
-            crate::sync::yield_now();
-        }
+        crate::sync::yield_while(
+            || self.requests_mapping.load(Ordering::Acquire) > 0,
+            GIVE_WAY_MAX,
+        );
     }
 
     pub fn heap(&self) -> MutexGuard<'_, Heap> {
@@ -662,12 +662,10 @@ impl Shared {
             if !stopped {
                 return Ok(any);
             }
-            let start = std::time::Instant::now();
-            while self.requests_flushing.load(Ordering::Acquire) > 0
-                && start.elapsed() < GIVE_WAY_MAX
-            {
-                crate::sync::yield_now();
-            }
+            crate::sync::yield_while(
+                || self.requests_flushing.load(Ordering::Acquire) > 0,
+                GIVE_WAY_MAX,
+            );
         }
     }
 
