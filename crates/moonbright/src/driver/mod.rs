@@ -424,10 +424,20 @@ impl CallTimes {
 
 // The calls each thread made through any `Instrumented` driver, and the time in its timed
 // ones: how a replay tells a slow request's own calls from those other threads made beside it.
+// Cells, not a `RefCell`: every call (the capture query of a cache hit too) adds to them.
 #[cfg(not(loom))]
 thread_local! {
-    static THREAD_CALLS: std::cell::RefCell<(CallCounts, CallTimes)> =
-        std::cell::RefCell::new(Default::default());
+    static THREAD_COUNTS: [std::cell::Cell<u64>; CallKind::ALL.len()] =
+        const { [const { std::cell::Cell::new(0) }; CallKind::ALL.len()] };
+    static THREAD_NS: [std::cell::Cell<u64>; CallKind::ALL.len()] =
+        const { [const { std::cell::Cell::new(0) }; CallKind::ALL.len()] };
+}
+
+/// Adds `n` to a thread's counter of kind `kind`.
+#[cfg(not(loom))]
+fn add_to(cells: &[std::cell::Cell<u64>; CallKind::ALL.len()], kind: CallKind, n: u64) {
+    let c = &cells[kind as usize];
+    c.set(c.get() + n);
 }
 
 /// The calls the calling thread has made so far through any [`Instrumented`] driver, and the
@@ -435,7 +445,11 @@ thread_local! {
 pub fn thread_calls() -> (CallCounts, CallTimes) {
     #[cfg(not(loom))]
     {
-        THREAD_CALLS.with(|t| *t.borrow())
+        let mut counts = CallCounts::default();
+        let mut times = CallTimes::default();
+        THREAD_COUNTS.with(|c| counts.0 = std::array::from_fn(|k| c[k].get()));
+        THREAD_NS.with(|c| times.total_ns = std::array::from_fn(|k| c[k].get()));
+        (counts, times)
     }
     #[cfg(loom)]
     {
@@ -514,7 +528,7 @@ impl<D: Driver> Instrumented<D> {
             let start = std::time::Instant::now();
             let r = call();
             let ns = start.elapsed().as_nanos() as u64;
-            THREAD_CALLS.with(|t| t.borrow_mut().1.total_ns[kind as usize] += ns);
+            THREAD_NS.with(|c| add_to(c, kind, ns));
             let (total, max) = &self.nanos[kind as usize];
             total.fetch_add(ns, Ordering::Relaxed);
             // A compare-and-swap loop only when this call is a new maximum.
@@ -554,7 +568,7 @@ impl<D: Driver> Instrumented<D> {
     fn enter(&self, kind: CallKind) -> DriverResult<()> {
         self.counts[kind as usize].fetch_add(1, Ordering::Relaxed);
         #[cfg(not(loom))]
-        THREAD_CALLS.with(|t| t.borrow_mut().0 .0[kind as usize] += 1);
+        THREAD_COUNTS.with(|c| add_to(c, kind, 1));
         if self.armed.load(Ordering::SeqCst) == 0 {
             return Ok(());
         }
