@@ -3,7 +3,7 @@
 # elsewhere by bench/pack.sh into carry/bin. Everything lands under ${OUT:-bench-out}: one log and
 # one JSON per program, the stress's operation sequence, and the PNGs of bench/plot.py.
 #
-#   bash bench/run-h200.sh                  # everything (about 5-8 minutes on an H200)
+#   bash bench/run-h200.sh                  # everything (about 1-3 minutes on an H200)
 #   bash bench/run-h200.sh latency stress   # only these steps
 #   QUICK=1 bash bench/run-h200.sh          # smoke test: fewer repetitions everywhere
 #
