@@ -124,6 +124,7 @@ impl Outcome {
                 "subpage_allocations": s.subpage_allocations,
                 "cached_ranges_stolen": s.cached_ranges_stolen,
                 "cached_ranges_split": s.cached_ranges_split,
+                "cached_ranges_joined": s.cached_ranges_joined,
                 "chunk_splits": s.chunk_splits,
                 "flushes_for_addresses": s.flushes_for_addresses,
                 "flushes_for_split": s.flushes_for_split,
@@ -343,10 +344,11 @@ pub(crate) fn print_summary(o: &Outcome) {
     );
     let pct = |n: u64| if r.allocs == 0 { 0.0 } else { 100.0 * n as f64 / r.allocs as f64 };
     println!(
-        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
+        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges, {} joins of neighbours) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
         s.cache_hits,
         pct(s.cache_hits),
         s.cached_ranges_split,
+        s.cached_ranges_joined,
         s.subpage_allocations,
         pct(s.subpage_allocations),
         s.cached_ranges_stolen,

@@ -435,6 +435,7 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
         ("subpage_allocations", s.subpage_allocations),
         ("cached_ranges_stolen", s.cached_ranges_stolen),
         ("cached_ranges_split", s.cached_ranges_split),
+        ("cached_ranges_joined", s.cached_ranges_joined),
         ("chunk_splits", s.chunk_splits),
         ("unmap_batches", s.unmap_batches),
         ("unmap_calls_in_batches", s.unmap_calls_in_batches),

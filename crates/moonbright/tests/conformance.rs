@@ -856,10 +856,77 @@ fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
 }
 
 #[test]
+fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call() {
+    use moonbright::CallKind;
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    let vmm = |a: &Allocator| {
+        let c = a.driver().counts();
+        [CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Unmap].map(|k| c.get(k))
+    };
+    // Three ranges back to back at fresh addresses, of 2, 3 and 1 pages (a chunk each).
+    let sizes = [2, 3, 1];
+    let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc((n * page) as usize).unwrap()).collect();
+    assert_eq!((ptrs[1], ptrs[2]), (ptrs[0] + 2 * page, ptrs[0] + 5 * page), "back to back");
+    for (i, &p) in ptrs.iter().enumerate() {
+        a.write(p, &[i as u8 + 1; 64]).unwrap();
+    }
+    for &p in &ptrs {
+        a.free(p).unwrap();
+    }
+    let before = vmm(&a);
+    // An exact size still takes its own range, whole, and joins nothing.
+    let exact = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(exact, ptrs[1]);
+    assert_eq!(a.stats().cached_ranges_joined, 0);
+    a.free(exact).unwrap();
+    // Five pages: no cached range holds them, the first two together do, where they are.
+    let joined = a.malloc((5 * page) as usize).unwrap();
+    assert_eq!(joined, ptrs[0]);
+    assert_eq!(a.stats().cached_ranges_joined, 1);
+    // The third, which the run did not touch, is still a range of its own.
+    let last = a.malloc(page as usize).unwrap();
+    assert_eq!(last, ptrs[2]);
+    assert_eq!(vmm(&a), before, "no driver call: every chunk was mapped there already");
+    for (p, v) in [(joined, 1u8), (joined + 2 * page, 2), (last, 3)] {
+        let mut b = [0u8; 64];
+        a.read(p, &mut b).unwrap();
+        assert_eq!(b, [v; 64], "the same memory at the same address");
+    }
+    a.check_invariants().unwrap();
+    // The joined range unmaps whole chunks later, as its parts would have.
+    a.free(joined).unwrap();
+    a.free(last).unwrap();
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_ranges_with_a_live_range_between_them_are_not_joined() {
+    use moonbright::CallKind;
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    let ptrs: Vec<u64> =
+        [2, 1, 3].iter().map(|&n| a.malloc((n * page) as usize).unwrap()).collect();
+    a.free(ptrs[0]).unwrap();
+    a.free(ptrs[2]).unwrap();
+    // Five pages are cached, but not back to back: the request maps.
+    let maps = a.driver().counts().get(CallKind::SetAccess);
+    let p = a.malloc((5 * page) as usize).unwrap();
+    assert_eq!(a.driver().counts().get(CallKind::SetAccess), maps + 1);
+    assert_eq!(a.stats().cached_ranges_joined, 0);
+    a.check_invariants().unwrap();
+    a.free(p).unwrap();
+    a.free(ptrs[1]).unwrap();
+}
+
+#[test]
 fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
     let a = Allocator::new(Options { validate: true, ..host_options() }).unwrap();
     random_mix_keeps_contents(&a, 7, 2000);
     assert!(a.stats().cached_ranges_split > 0, "the churn split cached ranges");
+    assert!(a.stats().cached_ranges_joined > 0, "the churn joined cached neighbours");
     a.release_unused().unwrap();
     assert_eq!(a.stats().reserved_bytes.current, 0);
     a.check_invariants().unwrap();

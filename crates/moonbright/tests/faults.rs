@@ -237,9 +237,10 @@ fn deferred_unmap_failure_is_recorded_and_retried() {
     for p in ptrs {
         a.free(p).unwrap();
     }
-    // Steal the cached ranges, then let the batch's first unmap fail.
+    // Steal the cached ranges (13 pages: more than the four hold together, so they are not
+    // joined to serve it where they are), then let the batch's first unmap fail.
     a.driver().fail_nth(CallKind::Unmap, 1, None);
-    let big = a.malloc(12 * PAGE).unwrap();
+    let big = a.malloc(13 * PAGE).unwrap();
     for _ in 0..3 {
         let q = a.malloc(PAGE).unwrap();
         a.free(q).unwrap();

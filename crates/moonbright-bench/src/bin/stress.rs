@@ -115,6 +115,7 @@ impl Replay for Mb {
             ("request_released_chunks", s.request_released_chunks),
             ("cached_ranges_stolen", s.cached_ranges_stolen),
             ("cached_ranges_split", s.cached_ranges_split),
+            ("cached_ranges_joined", s.cached_ranges_joined),
             ("unmap_batches", s.unmap_batches),
             ("flushes_for_addresses", s.flushes_for_addresses),
             ("flushes_for_split", s.flushes_for_split),

@@ -73,6 +73,11 @@ const SPLIT_SLACK: u64 = 32;
 const SPLIT_CANDIDATES: usize = 64;
 const SPLIT_CHUNKS_SEEN: usize = 2048;
 
+/// Cached ranges a request that found no run in any one of them looks at, by address, for a
+/// run across neighbours (`Heap::split_joined`), and the chunks it looks at in all.
+const JOIN_RANGES_SEEN: usize = 4096;
+const JOIN_CHUNKS_SEEN: usize = 4096;
+
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
 /// unmapped now (each look scans the retired ranges).
 const CHUNK_SPLIT_CANDIDATES: usize = 8;
@@ -277,9 +282,11 @@ pub(crate) struct Heap {
     free_range_ids: Vec<RangeId>,
     /// Live, pending and cached ranges by base address.
     by_va: BTreeMap<u64, RangeId>,
-    /// Cached ranges as (pages, address, seq), and seq -> range in freeing order.
+    /// Cached ranges as (pages, address, seq), seq -> range in freeing order, and address ->
+    /// seq (to find neighbours, `split_joined`).
     cached_by_size: BTreeSet<(u64, u64, u64)>,
     cached_lru: BTreeMap<u64, RangeId>,
+    cached_by_va: BTreeMap<u64, u64>,
     cached_pages: u64,
     next_seq: u64,
     live: HashMap<u64, Live>,
@@ -339,6 +346,7 @@ impl Heap {
             by_va: BTreeMap::new(),
             cached_by_size: BTreeSet::new(),
             cached_lru: BTreeMap::new(),
+            cached_by_va: BTreeMap::new(),
             cached_pages: 0,
             next_seq: 0,
             live: HashMap::new(),
@@ -526,7 +534,7 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Ok(Some(self.uncache(seq)));
         }
-        if let Some(id) = self.split_cached(pages) {
+        if let Some(id) = self.split_cached(pages).or_else(|| self.split_joined(pages)) {
             self.stats.cache_hits += 1;
             return Ok(Some(id));
         }
@@ -1410,6 +1418,7 @@ impl Heap {
         self.range_mut(id).use_ = Use::Cached { seq };
         self.cached_by_size.insert((pages, va, seq));
         self.cached_lru.insert(seq, id);
+        self.cached_by_va.insert(va, seq);
         self.cached_pages += pages;
         self.stats.cached_ranges.add(1);
     }
@@ -1418,6 +1427,7 @@ impl Heap {
         let id = self.cached_lru.remove(&seq).expect("cached range missing");
         let (pages, va) = (self.range(id).pages, self.range(id).va);
         self.cached_by_size.remove(&(pages, va, seq));
+        self.cached_by_va.remove(&va);
         self.cached_pages -= pages;
         self.stats.cached_ranges.sub(1);
         id
@@ -1449,6 +1459,13 @@ impl Heap {
             }
         }
         let (seq, start, end) = found?;
+        Some(self.split_off(seq, start, end))
+    }
+
+    /// Splits chunks `start..end` off cached range `seq`, as a range of their own at the
+    /// address where they are mapped (returned, out of the cache); what is left on either side
+    /// stays cached.
+    fn split_off(&mut self, seq: u64, start: usize, end: usize) -> RangeId {
         let id = self.uncache(seq);
         let range = self.remove_range(id);
         let ids = range.chunks.into_vec();
@@ -1467,7 +1484,100 @@ impl Heap {
             self.cache_range(id);
         }
         self.stats.cached_ranges_split += 1;
-        Some(self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc))
+        self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc)
+    }
+
+    /// A run of whole chunks, as in `split_cached`, across cached ranges that lie back to back
+    /// in one reservation, when no single cached range holds one. The smallest such group
+    /// (in pages) that holds a run serves; the ranges the run touches are joined into one, and
+    /// the run is split off it. The others keep their sizes for exact-size reuse.
+    ///
+    /// Joining is a matter of bookkeeping: each chunk was mapped by a call of its own and its
+    /// access set, so neighbours form one mapped range as they stand, and later unmaps cover
+    /// whole chunks still. Ranges join only here, when a request would otherwise map: joined
+    /// when freed, a freed range would no longer come back whole to an exact-size request,
+    /// and where it went would depend on when its free completed (Address stability).
+    fn split_joined(&mut self, pages: u64) -> Option<RangeId> {
+        if self.cached_pages < pages {
+            return None;
+        }
+        let most = pages + pages / SPLIT_SLACK;
+        // The best group so far: (its pages, its ranges' seqs, the run in its chunks).
+        let mut best: Option<(u64, Vec<u64>, usize, usize)> = None;
+        let mut seen = 0;
+        let mut group: Vec<u64> = Vec::new();
+        let (mut group_pages, mut group_end, mut group_home) = (0, 0, None);
+        let mut entries = self.cached_by_va.iter().take(JOIN_RANGES_SEEN).peekable();
+        loop {
+            let next = entries.peek().map(|(&va, &seq)| (va, seq));
+            let continues = next
+                .is_some_and(|(va, _)| va == group_end && self.va.reservation_of(va) == group_home);
+            if !continues {
+                // The group ends: look for a run in it, if it could beat the best one.
+                if group.len() > 1
+                    && group_pages >= pages
+                    && !best.as_ref().is_some_and(|b| group_pages >= b.0)
+                    && seen < JOIN_CHUNKS_SEEN
+                {
+                    let ids: Vec<ChunkId> = group
+                        .iter()
+                        .flat_map(|seq| self.range(self.cached_lru[seq]).chunks.iter().copied())
+                        .collect();
+                    seen += ids.len();
+                    let size = |i: usize| self.pool.get(ids[i]).pages;
+                    if let Some((start, end)) = chunk_run(ids.len(), size, pages, most) {
+                        best = Some((group_pages, group.clone(), start, end));
+                    }
+                }
+                group.clear();
+                group_pages = 0;
+                if best.as_ref().is_some_and(|b| b.0 == pages) {
+                    break; // No group can fit better.
+                }
+            }
+            let Some((va, seq)) = next else { break };
+            entries.next();
+            let r = self.range(self.cached_lru[&seq]);
+            if group.is_empty() {
+                group_home = self.va.reservation_of(va);
+            }
+            group.push(seq);
+            group_pages += r.pages;
+            group_end = va + self.bytes(r.pages);
+        }
+        let (_, group, start, end) = best?;
+        // Join the ranges the run touches: from the one holding its first chunk to the one
+        // holding its last.
+        let (mut first, mut offset, mut last) = (None, 0, 0);
+        let mut at = 0;
+        for (i, seq) in group.iter().enumerate() {
+            let n = self.range(self.cached_lru[seq]).chunks.len();
+            if first.is_none() && start < at + n {
+                first = Some(i);
+                offset = at;
+            }
+            if end <= at + n {
+                last = i;
+                break;
+            }
+            at += n;
+        }
+        let first = first.expect("the run starts in the group");
+        let (mut va, mut joined_pages, mut chunks) = (0, 0, Vec::new());
+        for (i, &seq) in group[first..=last].iter().enumerate() {
+            let id = self.uncache(seq);
+            let range = self.remove_range(id);
+            if i == 0 {
+                va = range.va;
+            }
+            joined_pages += range.pages;
+            chunks.extend(range.chunks.into_vec());
+        }
+        self.stats.cached_ranges_joined += (last - first) as u64;
+        let id = self.add_range(va, joined_pages, Chunks::from(chunks), Use::Alloc);
+        self.cache_range(id);
+        let Use::Cached { seq } = self.range(id).use_ else { unreachable!("just cached") };
+        Some(self.split_off(seq, start - offset, end - offset))
     }
 
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
@@ -1943,6 +2053,7 @@ impl Heap {
                 cached_pages += r.pages;
                 if self.cached_lru.get(&seq) != Some(&(id as RangeId))
                     || !self.cached_by_size.contains(&(r.pages, r.va, seq))
+                    || self.cached_by_va.get(&r.va) != Some(&seq)
                 {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
@@ -1954,6 +2065,7 @@ impl Heap {
         }
         if cached != self.cached_lru.len()
             || cached != self.cached_by_size.len()
+            || cached != self.cached_by_va.len()
             || cached_pages != self.cached_pages
         {
             return Err("cache indexes disagree with the ranges".into());

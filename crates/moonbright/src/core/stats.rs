@@ -94,6 +94,9 @@ pub struct Stats {
     pub cached_ranges_stolen: u64,
     /// Cached ranges split at a chunk boundary to serve a smaller request (no driver call).
     pub cached_ranges_split: u64,
+    /// Cached ranges joined to a neighbour to serve a request that no one of them could
+    /// (`Heap::split_joined`): one count per join, so joining three ranges counts two.
+    pub cached_ranges_joined: u64,
     /// Chunks released and recreated smaller under pressure.
     pub chunk_splits: u64,
     /// Unmap batches flushed.

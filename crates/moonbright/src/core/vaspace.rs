@@ -121,7 +121,7 @@ impl VaSpace {
     }
 
     /// The reservation (shared or private) holding `va`, as its base.
-    fn reservation_of(&self, va: u64) -> Option<u64> {
+    pub fn reservation_of(&self, va: u64) -> Option<u64> {
         self.reservations
             .iter()
             .chain(&self.private)
