@@ -21,6 +21,7 @@ backend=${BACKEND:-cuda}
 trace_dir=${TRACE_DIR:-carry}
 mkdir -p "$out"
 [ $# -ge 1 ] || { echo "usage: bench/ab-h200.sh SUFFIX [SUFFIX...]  (\"\" for the plain names)" >&2; exit 2; }
+builds=("$@")
 [ "$backend" = cuda ] && source scripts/nvrtc-env.sh >/dev/null 2>&1
 export MOONBRIGHT_ALLOC_CONF=""
 SECONDS=0
@@ -38,7 +39,7 @@ fi
 
 for round in $(seq 1 "${ROUNDS:-4}"); do
   for t in ${TRACES:-resnet gpt2}; do
-    for b in "$@"; do
+    for b in "${builds[@]}"; do
       name=replay_${t}_moonbright${b}_$round
       timeout 120 "$bin/moonbright$b" replay --backend "$backend" "$trace_dir/trace_$t.csv.gz" \
         --json "$out/$name.json" >"$out/$name.log" 2>&1
@@ -50,7 +51,7 @@ done
 
 host=(); [ "$backend" = host ] && host=(--host)
 for round in $(seq 1 "${STRESS_ROUNDS:-3}"); do
-  for b in "$@"; do
+  for b in "${builds[@]}"; do
     name=stress_stress${b}_$round
     timeout 150 "$bin/stress$b" --no-baseline "${host[@]}" --json "$out/$name.json" >"$out/$name.log" 2>&1
     echo "$round stress$b rc=$? $(grep -E '^MoonBright  ' "$out/$name.log" | tr -s ' ')"

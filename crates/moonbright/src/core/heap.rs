@@ -1487,10 +1487,14 @@ impl Heap {
         self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc)
     }
 
-    /// A run of whole chunks, as in `split_cached`, across cached ranges that lie back to back
+    /// A run of whole chunks of exactly `pages` pages across cached ranges that lie back to back
     /// in one reservation, when no single cached range holds one. The smallest such group
     /// (in pages) that holds a run serves; the ranges the run touches are joined into one, and
     /// the run is split off it. The others keep their sizes for exact-size reuse.
+    ///
+    /// Exact, where `split_cached` allows `SPLIT_SLACK`: with that slack here too, the recorded
+    /// traces held 0.1-0.3% more memory on the host backend (ResNet 1.016 against 1.013) for
+    /// 5% fewer set-access calls on GPT-2 and Llama, none fewer on ResNet.
     ///
     /// Joining is a matter of bookkeeping: each chunk was mapped by a call of its own and its
     /// access set, so neighbours form one mapped range as they stand, and later unmaps cover
@@ -1501,7 +1505,6 @@ impl Heap {
         if self.cached_pages < pages {
             return None;
         }
-        let most = pages + pages / SPLIT_SLACK;
         // The best group so far: (its pages, its ranges' seqs, the run in its chunks).
         let mut best: Option<(u64, Vec<u64>, usize, usize)> = None;
         let mut seen = 0;
@@ -1525,7 +1528,7 @@ impl Heap {
                         .collect();
                     seen += ids.len();
                     let size = |i: usize| self.pool.get(ids[i]).pages;
-                    if let Some((start, end)) = chunk_run(ids.len(), size, pages, most) {
+                    if let Some((start, end)) = chunk_run(ids.len(), size, pages, pages) {
                         best = Some((group_pages, group.clone(), start, end));
                     }
                 }
