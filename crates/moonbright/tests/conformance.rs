@@ -903,6 +903,30 @@ fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call()
 }
 
 #[test]
+fn the_smallest_group_of_cached_neighbours_that_holds_the_request_is_joined() {
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    // Two groups of neighbours, 7 pages (2, 3, 2) then 5 (2, 3), with a live page between.
+    let ptrs: Vec<u64> =
+        [2, 3, 2, 1, 2, 3].iter().map(|&n| a.malloc((n * page) as usize).unwrap()).collect();
+    for (i, &p) in ptrs.iter().enumerate() {
+        if i != 3 {
+            a.free(p).unwrap();
+        }
+    }
+    // Both hold a run of five pages; the smaller group serves, though it lies higher.
+    let p = a.malloc((5 * page) as usize).unwrap();
+    assert_eq!(p, ptrs[4]);
+    assert_eq!(a.stats().cached_ranges_joined, 1);
+    // The larger group is as it was: its three ranges come back whole, by exact size.
+    for (n, at) in [(3, ptrs[1]), (2, ptrs[0]), (2, ptrs[2])] {
+        assert_eq!(a.malloc((n * page) as usize).unwrap(), at);
+    }
+    assert_eq!(a.stats().cached_ranges_joined, 1);
+    a.check_invariants().unwrap();
+}
+
+#[test]
 fn cached_ranges_with_a_live_range_between_them_are_not_joined() {
     use moonbright::CallKind;
     let a = Allocator::new(host_options()).unwrap();
