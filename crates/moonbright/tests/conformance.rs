@@ -811,15 +811,24 @@ fn history_and_segments_describe_what_happened() {
     a.free(small).unwrap();
 }
 
+/// The create, map, set-access and unmap calls made so far.
+fn vmm(a: &Allocator) -> [u64; 4] {
+    use moonbright::CallKind;
+    let c = a.driver().counts();
+    [CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Unmap].map(|k| c.get(k))
+}
+
+/// With nothing live, `release_unused` gives back every byte, and the books still agree.
+fn gives_everything_back(a: &Allocator) {
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
-    use moonbright::CallKind;
     let a = Allocator::new(host_options()).unwrap();
     let page = a.page_size();
-    let vmm = |a: &Allocator| {
-        let c = a.driver().counts();
-        [CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Unmap].map(|k| c.get(k))
-    };
     // Fresh memory for 9 pages comes as chunks of 4, 4 and 1 (the chunk limit is 4 pages).
     let big = a.malloc(9 * page).unwrap();
     assert_eq!(a.segments().iter().find(|s| s.addr == big).unwrap().chunks, 3);
@@ -850,20 +859,13 @@ fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
     for p in [head, middle, tail] {
         a.free(p).unwrap();
     }
-    a.release_unused().unwrap();
-    assert_eq!(a.stats().reserved_bytes.current, 0);
-    a.check_invariants().unwrap();
+    gives_everything_back(&a);
 }
 
 #[test]
 fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call() {
-    use moonbright::CallKind;
     let a = Allocator::new(host_options()).unwrap();
     let page = a.page_size() as u64;
-    let vmm = |a: &Allocator| {
-        let c = a.driver().counts();
-        [CallKind::Create, CallKind::Map, CallKind::SetAccess, CallKind::Unmap].map(|k| c.get(k))
-    };
     // Three ranges back to back at fresh addresses, of 2, 3 and 1 pages (a chunk each).
     let sizes = [2, 3, 1];
     let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc((n * page) as usize).unwrap()).collect();
@@ -897,9 +899,7 @@ fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call()
     // The joined range unmaps whole chunks later, as its parts would have.
     a.free(joined).unwrap();
     a.free(last).unwrap();
-    a.release_unused().unwrap();
-    assert_eq!(a.stats().reserved_bytes.current, 0);
-    a.check_invariants().unwrap();
+    gives_everything_back(&a);
 }
 
 #[test]
@@ -951,7 +951,5 @@ fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
     random_mix_keeps_contents(&a, 7, 2000);
     assert!(a.stats().cached_ranges_split > 0, "the churn split cached ranges");
     assert!(a.stats().cached_ranges_joined > 0, "the churn joined cached neighbours");
-    a.release_unused().unwrap();
-    assert_eq!(a.stats().reserved_bytes.current, 0);
-    a.check_invariants().unwrap();
+    gives_everything_back(&a);
 }
