@@ -73,9 +73,10 @@ const SPLIT_SLACK: u64 = 32;
 const SPLIT_CANDIDATES: usize = 64;
 const SPLIT_CHUNKS_SEEN: usize = 2048;
 
-/// Cached ranges a request that found no run in any one of them looks at, by address, for a
-/// run across neighbours (`Heap::split_joined`), and the chunks it looks at in all.
-const JOIN_RANGES_SEEN: usize = 4096;
+/// Seams between cached neighbours a request that found no run in any one cached range looks
+/// at, by address, for a run across them (`Heap::split_joined`), and the chunks it looks at in
+/// all.
+const JOIN_SEAMS_SEEN: usize = 4096;
 const JOIN_CHUNKS_SEEN: usize = 4096;
 
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
@@ -283,10 +284,13 @@ pub(crate) struct Heap {
     /// Live, pending and cached ranges by base address.
     by_va: BTreeMap<u64, RangeId>,
     /// Cached ranges as (pages, address, seq), seq -> range in freeing order, and address ->
-    /// seq (to find neighbours, `split_joined`).
+    /// (seq, pages).
     cached_by_size: BTreeSet<(u64, u64, u64)>,
     cached_lru: BTreeMap<u64, RangeId>,
-    cached_by_va: BTreeMap<u64, u64>,
+    cached_by_va: BTreeMap<u64, (u64, u64)>,
+    /// Seams: the address of each cached range that begins where another cached range of its
+    /// reservation ends (the groups `split_joined` looks into, found with no scan of the cache).
+    cached_seams: BTreeSet<u64>,
     cached_pages: u64,
     next_seq: u64,
     live: HashMap<u64, Live>,
@@ -347,6 +351,7 @@ impl Heap {
             cached_by_size: BTreeSet::new(),
             cached_lru: BTreeMap::new(),
             cached_by_va: BTreeMap::new(),
+            cached_seams: BTreeSet::new(),
             cached_pages: 0,
             next_seq: 0,
             live: HashMap::new(),
@@ -1418,9 +1423,25 @@ impl Heap {
         self.range_mut(id).use_ = Use::Cached { seq };
         self.cached_by_size.insert((pages, va, seq));
         self.cached_lru.insert(seq, id);
-        self.cached_by_va.insert(va, seq);
+        self.cached_by_va.insert(va, (seq, pages));
+        let end = va + self.bytes(pages);
+        let left = self.cached_by_va.range(..va).next_back();
+        if left
+            .is_some_and(|(&at, &(_, p))| at + self.bytes(p) == va && self.same_reservation(at, va))
+        {
+            self.cached_seams.insert(va);
+        }
+        if self.cached_by_va.contains_key(&end) && self.same_reservation(va, end) {
+            self.cached_seams.insert(end);
+        }
         self.cached_pages += pages;
         self.stats.cached_ranges.add(1);
+    }
+
+    /// Whether two addresses lie in one reservation: ranges side by side in two reservations
+    /// never join (one `cuMemUnmap` may not span both).
+    fn same_reservation(&self, a: u64, b: u64) -> bool {
+        self.va.reservation_of(a) == self.va.reservation_of(b)
     }
 
     fn uncache(&mut self, seq: u64) -> RangeId {
@@ -1428,6 +1449,8 @@ impl Heap {
         let (pages, va) = (self.range(id).pages, self.range(id).va);
         self.cached_by_size.remove(&(pages, va, seq));
         self.cached_by_va.remove(&va);
+        self.cached_seams.remove(&va);
+        self.cached_seams.remove(&(va + self.bytes(pages)));
         self.cached_pages -= pages;
         self.stats.cached_ranges.sub(1);
         id
@@ -1508,17 +1531,14 @@ impl Heap {
         // The best group so far: (its pages, its ranges' seqs, the run in its chunks).
         let mut best: Option<(u64, Vec<u64>, usize, usize)> = None;
         let mut seen = 0;
-        let mut group: Vec<u64> = Vec::new();
-        let (mut group_pages, mut group_end, mut group_home) = (0, 0, None);
-        let mut entries = self.cached_by_va.iter().take(JOIN_RANGES_SEEN).peekable();
+        // The group being gathered: its ranges' seqs, its pages, where it ends.
+        let (mut group, mut group_pages, mut group_end) = (Vec::new(), 0, 0);
+        let mut seams = self.cached_seams.iter().take(JOIN_SEAMS_SEEN).peekable();
         loop {
-            let next = entries.peek().map(|(&va, &seq)| (va, seq));
-            let continues = next
-                .is_some_and(|(va, _)| va == group_end && self.va.reservation_of(va) == group_home);
-            if !continues {
+            let seam = seams.peek().copied().copied();
+            if seam != Some(group_end) {
                 // The group ends: look for a run in it, if it could beat the best one.
-                if group.len() > 1
-                    && group_pages >= pages
+                if group_pages >= pages
                     && !best.as_ref().is_some_and(|b| group_pages >= b.0)
                     && seen < JOIN_CHUNKS_SEEN
                 {
@@ -1532,21 +1552,22 @@ impl Heap {
                         best = Some((group_pages, group.clone(), start, end));
                     }
                 }
-                group.clear();
-                group_pages = 0;
                 if best.as_ref().is_some_and(|b| b.0 == pages) {
                     break; // No group can fit better.
                 }
+                let Some(seam) = seam else { break };
+                // A new group, from the range that ends at this seam (it goes on below).
+                let (_, &(seq, p)) =
+                    self.cached_by_va.range(..seam).next_back().expect("a seam has a left side");
+                group.clear();
+                group.push(seq);
+                group_pages = p;
             }
-            let Some((va, seq)) = next else { break };
-            entries.next();
-            let r = self.range(self.cached_lru[&seq]);
-            if group.is_empty() {
-                group_home = self.va.reservation_of(va);
-            }
+            let Some(seam) = seams.next() else { break };
+            let (seq, p) = self.cached_by_va[seam];
             group.push(seq);
-            group_pages += r.pages;
-            group_end = va + self.bytes(r.pages);
+            group_pages += p;
+            group_end = seam + self.bytes(p);
         }
         let (_, group, start, end) = best?;
         // Join the ranges the run touches: from the one holding its first chunk to the one
@@ -2056,7 +2077,7 @@ impl Heap {
                 cached_pages += r.pages;
                 if self.cached_lru.get(&seq) != Some(&(id as RangeId))
                     || !self.cached_by_size.contains(&(r.pages, r.va, seq))
-                    || self.cached_by_va.get(&r.va) != Some(&seq)
+                    || self.cached_by_va.get(&r.va) != Some(&(seq, r.pages))
                 {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
@@ -2072,6 +2093,19 @@ impl Heap {
             || cached_pages != self.cached_pages
         {
             return Err("cache indexes disagree with the ranges".into());
+        }
+        let seams: BTreeSet<u64> = self
+            .cached_by_va
+            .iter()
+            .zip(self.cached_by_va.iter().skip(1))
+            .filter(|((&a, &(_, p)), (&b, _))| a + p * page == b && self.same_reservation(a, b))
+            .map(|(_, (&b, _))| b)
+            .collect();
+        if seams != self.cached_seams {
+            return Err(format!(
+                "seams between cached neighbours {:?}, expected {:?}",
+                self.cached_seams, seams
+            ));
         }
         let mut pending_ranges = 0;
         // Every range marked pending is in exactly one stream's list or joined free, and back.
