@@ -1538,10 +1538,7 @@ impl Heap {
             let seam = seams.peek().copied().copied();
             if seam != Some(group_end) {
                 // The group ends: look for a run in it, if it could beat the best one.
-                if group_pages >= pages
-                    && !best.as_ref().is_some_and(|b| group_pages >= b.0)
-                    && seen < JOIN_CHUNKS_SEEN
-                {
+                if group_pages >= pages && !best.as_ref().is_some_and(|b| group_pages >= b.0) {
                     let ids: Vec<ChunkId> = group
                         .iter()
                         .flat_map(|seq| self.range(self.cached_lru[seq]).chunks.iter().copied())
@@ -1552,8 +1549,8 @@ impl Heap {
                         best = Some((group_pages, group.clone(), start, end));
                     }
                 }
-                if best.as_ref().is_some_and(|b| b.0 == pages) {
-                    break; // No group can fit better.
+                if best.as_ref().is_some_and(|b| b.0 == pages) || seen >= JOIN_CHUNKS_SEEN {
+                    break; // No group can fit better, or none more is looked into.
                 }
                 let Some(seam) = seam else { break };
                 // A new group, from the range that ends at this seam (it goes on below).
