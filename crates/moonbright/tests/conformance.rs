@@ -902,6 +902,63 @@ fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call()
     gives_everything_back(&a);
 }
 
+/// Cached ranges of `sizes` pages (a chunk each), freed oldest first, with a live page after
+/// each so that none has a cached neighbour; returns their addresses and the live pages.
+fn cached_apart(a: &Allocator, sizes: &[u64]) -> (Vec<u64>, Vec<u64>) {
+    let page = a.page_size() as u64;
+    let (mut cached, mut live) = (Vec::new(), Vec::new());
+    for &n in sizes {
+        cached.push(a.malloc((n * page) as usize).unwrap());
+        live.push(a.malloc(page as usize).unwrap());
+    }
+    for &p in &cached {
+        a.free(p).unwrap();
+    }
+    (cached, live)
+}
+
+#[test]
+fn a_miss_steals_only_cached_ranges_with_a_chunk_it_can_map() {
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    let (cached, live) = cached_apart(&a, &[4, 1, 2]);
+    // Three pages: no cached range holds them, alone or joined. The ranges of one and two pages
+    // serve them; the oldest, one chunk of four pages, could give nothing without a split.
+    let p = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(a.stats().cached_ranges_stolen, 2);
+    assert_eq!(a.stats().request_released_chunks, 0, "no chunk split");
+    let before = vmm(&a);
+    assert_eq!(a.malloc((4 * page) as usize).unwrap(), cached[0], "still cached where it was");
+    assert_eq!(vmm(&a), before, "a cache hit: no driver call");
+    a.check_invariants().unwrap();
+    for q in live.into_iter().chain([p, cached[0]]) {
+        a.free(q).unwrap();
+    }
+    gives_everything_back(&a);
+}
+
+#[test]
+fn a_miss_no_cached_chunk_fits_splits_one_cached_range_and_keeps_the_others() {
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    let (cached, live) = cached_apart(&a, &[4, 4, 4]);
+    // Three pages: every cached chunk is larger. The least recently freed range is broken up
+    // and its chunk split (release and recreate); the other two stay cached.
+    let p = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(a.stats().cached_ranges_stolen, 1);
+    assert_eq!(a.stats().request_released_chunks, 1);
+    let before = vmm(&a);
+    for &q in &cached[1..] {
+        assert_eq!(a.malloc((4 * page) as usize).unwrap(), q, "still cached where it was");
+    }
+    assert_eq!(vmm(&a), before, "cache hits: no driver call");
+    a.check_invariants().unwrap();
+    for q in live.into_iter().chain([p]).chain(cached[1..].iter().copied()) {
+        a.free(q).unwrap();
+    }
+    gives_everything_back(&a);
+}
+
 #[test]
 fn the_smallest_group_of_cached_neighbours_that_holds_the_request_is_joined() {
     let a = Allocator::new(host_options()).unwrap();

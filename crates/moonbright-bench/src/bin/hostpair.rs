@@ -7,6 +7,11 @@
 //! `--cold`: instead, the allocator's own work in a cold map (the `latency` benchmark's cold
 //! path: no window, `release_unused` before each request), that is the request's time less its
 //! time inside the backend's create/map/set-access calls, at p50.
+//!
+//! `--miss`: the allocator's own work in a request no cached range serves, beside thousands of
+//! cached ranges laid out so that every cache search runs to its bounds: ranges with no cached
+//! neighbour, pairs of neighbours too small for the request, and pairs that hold enough pages
+//! but no run of exactly the request's (the joins' walk, `Heap::split_joined`).
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -28,6 +33,12 @@ struct Args {
     /// `release_unused`).
     #[arg(long)]
     cold: bool,
+    /// Time misses beside many cached ranges instead (see the module's comment).
+    #[arg(long)]
+    miss: bool,
+    /// With `--miss`: cached ranges (at most 12,000).
+    #[arg(long, default_value_t = 4_000)]
+    ranges: usize,
 }
 
 fn ns_per_pair(contract: bool, size: usize, args: &Args) -> Res<f64> {
@@ -103,9 +114,88 @@ fn cold_ns(size: usize, beside_live: bool, args: &Args) -> Res<(f64, f64)> {
     Ok((p50(&mut whole), p50(&mut own)))
 }
 
+/// How the cached ranges of `--miss` lie: each pattern repeats, `c` a cached range and `L` a
+/// live one, of `pages` pages each (one chunk); the request is `want` pages.
+struct Layout {
+    name: &'static str,
+    pattern: &'static [bool],
+    pages: usize,
+    want: usize,
+}
+
+const LAYOUTS: [Layout; 3] = [
+    Layout { name: "no cached neighbour (c L)", pattern: &[true, false], pages: 1, want: 2 },
+    Layout { name: "neighbours too few (c c L)", pattern: &[true, true, false], pages: 1, want: 3 },
+    Layout { name: "no exact run (c c L)", pattern: &[true, true, false], pages: 4, want: 5 },
+];
+
+/// p50 of a miss's time outside the timed backend calls beside `ranges` cached ranges laid out
+/// as `layout` (or none), in ns. Each miss steals a little of the cache (the oldest ranges), so
+/// only a few are timed, each freed again at once.
+fn miss_ns(layout: &Layout, ranges: usize, empty: bool) -> Res<f64> {
+    const PAGE: usize = 64 << 10;
+    let opts = Options {
+        validate: false,
+        cap_fraction: 1.0,
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        max_chunk_bytes: 4 * PAGE as u64,
+        ..Options::host(4 << 30, PAGE)
+    };
+    let a = Allocator::new(opts).map_err(|e| e.to_string())?;
+    let e = |e: moonbright::Error| e.to_string();
+    let mut live = Vec::new();
+    if !empty {
+        let mut cached = Vec::new();
+        while cached.len() < ranges {
+            for &c in layout.pattern {
+                let p = a.malloc(layout.pages * PAGE).map_err(e)?;
+                if c {
+                    cached.push(p)
+                } else {
+                    live.push(p)
+                }
+            }
+        }
+        for p in cached {
+            a.free(p).map_err(e)?;
+        }
+    }
+    let timed = |t: &CallTimes| -> u64 { t.total_ns.iter().sum() };
+    let mut own = Vec::new();
+    for i in 0..220 {
+        let before = timed(&a.driver().times());
+        let t = Instant::now();
+        let p = a.malloc(layout.want * PAGE).map_err(e)?;
+        let ns = t.elapsed().as_nanos() as u64;
+        let inside = timed(&a.driver().times()) - before;
+        if i >= 20 {
+            own.push(ns.saturating_sub(inside));
+        }
+        live.push(p);
+    }
+    for p in live {
+        a.free(p).map_err(e)?;
+    }
+    own.sort_unstable();
+    Ok(own[own.len() / 2] as f64)
+}
+
 fn main() -> ExitCode {
     main_wrapper("hostpair", || {
         let args = Args::parse();
+        if args.miss {
+            let ranges = args.ranges.min(12_000);
+            println!(
+                "misses beside {ranges} cached ranges, p50 ns outside the timed backend calls"
+            );
+            for layout in &LAYOUTS {
+                let base = miss_ns(layout, ranges, true)?;
+                let beside = miss_ns(layout, ranges, false)?;
+                println!("  {:<28} {beside:>8.0}   (empty allocator {base:.0})", layout.name);
+            }
+            return Ok(());
+        }
         if args.cold {
             println!("cold maps, p50 ns: whole request / outside the timed backend calls");
             println!("{:>8}  {:>20}  {:>20}", "size", "empty allocator", "beside a live one");

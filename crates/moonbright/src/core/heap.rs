@@ -73,11 +73,13 @@ const SPLIT_SLACK: u64 = 32;
 const SPLIT_CANDIDATES: usize = 64;
 const SPLIT_CHUNKS_SEEN: usize = 2048;
 
-/// Seams between cached neighbours a request that found no run in any one cached range looks
-/// at, by address, for a run across them (`Heap::split_joined`), and the chunks it looks at in
-/// all.
-const JOIN_SEAMS_SEEN: usize = 4096;
-const JOIN_CHUNKS_SEEN: usize = 4096;
+/// Chunks a request that found no run in any one cached range looks at in all, in groups of
+/// cached neighbours large enough, smallest first, for a run across them (`Heap::split_joined`).
+const JOIN_CHUNKS_SEEN: usize = 512;
+
+/// Cached ranges, least recently freed first, a plan looks into for one with a chunk no larger
+/// than what it still needs (`Heap::fitting_cached`), in all.
+const STEAL_CANDIDATES: usize = 256;
 
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
 /// unmapped now (each look scans the retired ranges).
@@ -284,13 +286,15 @@ pub(crate) struct Heap {
     /// Live, pending and cached ranges by base address.
     by_va: BTreeMap<u64, RangeId>,
     /// Cached ranges as (pages, address, seq), seq -> range in freeing order, and address ->
-    /// (seq, pages).
+    /// (seq, pages, range).
     cached_by_size: BTreeSet<(u64, u64, u64)>,
     cached_lru: BTreeMap<u64, RangeId>,
-    cached_by_va: BTreeMap<u64, (u64, u64)>,
-    /// Seams: the address of each cached range that begins where another cached range of its
-    /// reservation ends (the groups `split_joined` looks into, found with no scan of the cache).
-    cached_seams: BTreeSet<u64>,
+    cached_by_va: BTreeMap<u64, (u64, u64, RangeId)>,
+    /// Groups of cached neighbours: each run of two or more cached ranges back to back in one
+    /// reservation, as start -> end, and as (pages, start) for `split_joined`, which so finds
+    /// the smallest group large enough with no scan of the cache.
+    cached_groups: BTreeMap<u64, u64>,
+    cached_groups_by_size: BTreeSet<(u64, u64)>,
     cached_pages: u64,
     next_seq: u64,
     live: HashMap<u64, Live>,
@@ -351,7 +355,8 @@ impl Heap {
             cached_by_size: BTreeSet::new(),
             cached_lru: BTreeMap::new(),
             cached_by_va: BTreeMap::new(),
-            cached_seams: BTreeSet::new(),
+            cached_groups: BTreeMap::new(),
+            cached_groups_by_size: BTreeSet::new(),
             cached_pages: 0,
             next_seq: 0,
             live: HashMap::new(),
@@ -1101,6 +1106,8 @@ impl Heap {
         let mut got: Vec<ChunkId> = Vec::new();
         let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
         let mut left = pages;
+        // Where the search for a cached range worth stealing goes on from (`fitting_cached`).
+        let mut steal_scan = (0, 0);
         loop {
             while left > 0 {
                 match self.pool.take_bare_at_most(left) {
@@ -1114,7 +1121,7 @@ impl Heap {
             if left == 0 {
                 break;
             }
-            if let Some((&seq, _)) = self.cached_lru.iter().next() {
+            if let Some(seq) = self.fitting_cached(&mut steal_scan, left) {
                 self.steal_cached(seq);
                 continue;
             }
@@ -1162,6 +1169,14 @@ impl Heap {
             // and others once its work has passed them.
             if self.break_up_own_pending(stream, left) {
                 continue;
+            }
+            // No cached range has a chunk that fits: break up the least recently freed one for
+            // its chunks to be split below, unless a bare chunk can be split already.
+            if !self.pool.has_bare_larger_than(left) {
+                if let Some((&seq, _)) = self.cached_lru.iter().next() {
+                    self.steal_cached(seq);
+                    continue;
+                }
             }
             // Whole window chunks larger than what is left come last, as they must be split
             // (below): one, only when no new memory can be made and no bare chunk can be split
@@ -1423,19 +1438,74 @@ impl Heap {
         self.range_mut(id).use_ = Use::Cached { seq };
         self.cached_by_size.insert((pages, va, seq));
         self.cached_lru.insert(seq, id);
-        self.cached_by_va.insert(va, (seq, pages));
-        let end = va + self.bytes(pages);
-        let left = self.cached_by_va.range(..va).next_back();
-        if left
-            .is_some_and(|(&at, &(_, p))| at + self.bytes(p) == va && self.same_reservation(at, va))
-        {
-            self.cached_seams.insert(va);
-        }
-        if self.cached_by_va.contains_key(&end) && self.same_reservation(va, end) {
-            self.cached_seams.insert(end);
-        }
+        self.cached_by_va.insert(va, (seq, pages, id));
+        self.group_cached(va, va + self.bytes(pages));
         self.cached_pages += pages;
         self.stats.cached_ranges.add(1);
+    }
+
+    /// Puts the cached range at `va..end` into its group of neighbours: the groups (or lone
+    /// cached ranges) that end where it starts and start where it ends become one with it.
+    fn group_cached(&mut self, va: u64, end: u64) {
+        let mut start = va;
+        if let Some((&at, &(_, p, _))) = self.cached_by_va.range(..va).next_back() {
+            if at + self.bytes(p) == va && self.same_reservation(at, va) {
+                start = match self.cached_groups.range(..va).next_back() {
+                    Some((&s, &e)) if e == va => {
+                        self.remove_group(s, e);
+                        s
+                    }
+                    _ => at,
+                };
+            }
+        }
+        let mut stop = end;
+        if let Some(&(_, p, _)) = self.cached_by_va.get(&end) {
+            if self.same_reservation(va, end) {
+                stop = match self.cached_groups.get(&end) {
+                    Some(&e) => {
+                        self.remove_group(end, e);
+                        e
+                    }
+                    None => end + self.bytes(p),
+                };
+            }
+        }
+        if (start, stop) != (va, end) {
+            self.add_group(start, stop);
+        }
+    }
+
+    /// Takes the cached range at `va..end` (already out of `cached_by_va`) out of its group:
+    /// what lies before and after it stays a group where two or more ranges are left.
+    fn ungroup_cached(&mut self, va: u64, end: u64) {
+        let Some((&start, &stop)) = self.cached_groups.range(..=va).next_back() else {
+            return;
+        };
+        if stop < end {
+            return; // The range was in no group.
+        }
+        self.remove_group(start, stop);
+        let lone = |at: u64, to: u64| {
+            self.cached_by_va.get(&at).is_some_and(|&(_, p, _)| at + self.bytes(p) == to)
+        };
+        let (before, after) = (start < va && !lone(start, va), end < stop && !lone(end, stop));
+        if before {
+            self.add_group(start, va);
+        }
+        if after {
+            self.add_group(end, stop);
+        }
+    }
+
+    fn add_group(&mut self, start: u64, end: u64) {
+        self.cached_groups.insert(start, end);
+        self.cached_groups_by_size.insert(((end - start) / self.lim.page, start));
+    }
+
+    fn remove_group(&mut self, start: u64, end: u64) {
+        self.cached_groups.remove(&start);
+        self.cached_groups_by_size.remove(&((end - start) / self.lim.page, start));
     }
 
     /// Whether two addresses lie in one reservation: ranges side by side in two reservations
@@ -1449,8 +1519,7 @@ impl Heap {
         let (pages, va) = (self.range(id).pages, self.range(id).va);
         self.cached_by_size.remove(&(pages, va, seq));
         self.cached_by_va.remove(&va);
-        self.cached_seams.remove(&va);
-        self.cached_seams.remove(&(va + self.bytes(pages)));
+        self.ungroup_cached(va, va + self.bytes(pages));
         self.cached_pages -= pages;
         self.stats.cached_ranges.sub(1);
         id
@@ -1528,45 +1597,29 @@ impl Heap {
         if self.cached_pages < pages {
             return None;
         }
-        // The best group so far: (its pages, its ranges' seqs, the run in its chunks).
-        let mut best: Option<(u64, Vec<u64>, usize, usize)> = None;
-        let mut seen = 0;
-        // The group being gathered: its ranges' seqs, its pages, where it ends.
-        let (mut group, mut group_pages, mut group_end) = (Vec::new(), 0, 0);
-        let mut seams = self.cached_seams.iter().take(JOIN_SEAMS_SEEN).peekable();
-        loop {
-            let seam = seams.peek().copied().copied();
-            if seam != Some(group_end) {
-                // The group ends: look for a run in it, if it could beat the best one.
-                if group_pages >= pages && !best.as_ref().is_some_and(|b| group_pages >= b.0) {
-                    let ids: Vec<ChunkId> = group
-                        .iter()
-                        .flat_map(|seq| self.range(self.cached_lru[seq]).chunks.iter().copied())
-                        .collect();
-                    seen += ids.len();
-                    let size = |i: usize| self.pool.get(ids[i]).pages;
-                    if let Some((start, end)) = chunk_run(ids.len(), size, pages, pages) {
-                        best = Some((group_pages, group.clone(), start, end));
-                    }
-                }
-                if best.as_ref().is_some_and(|b| b.0 == pages) || seen >= JOIN_CHUNKS_SEEN {
-                    break; // No group can fit better, or none more is looked into.
-                }
-                let Some(seam) = seam else { break };
-                // A new group, from the range that ends at this seam (it goes on below).
-                let (_, &(seq, p)) =
-                    self.cached_by_va.range(..seam).next_back().expect("a seam has a left side");
-                group.clear();
-                group.push(seq);
-                group_pages = p;
+        // The smallest group large enough with a run of exactly `pages` pages: where it lies,
+        // and the run in its chunks.
+        let mut best = None;
+        let mut ids: Vec<ChunkId> = Vec::new();
+        for &(group_pages, start) in self.cached_groups_by_size.range((pages, 0)..) {
+            if ids.len() >= JOIN_CHUNKS_SEEN {
+                break;
             }
-            let Some(seam) = seams.next() else { break };
-            let (seq, p) = self.cached_by_va[seam];
-            group.push(seq);
-            group_pages += p;
-            group_end = seam + self.bytes(p);
+            let end = start + self.bytes(group_pages);
+            let first = ids.len();
+            for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
+                ids.extend(self.range(id).chunks.iter().copied());
+            }
+            let size = |i: usize| self.pool.get(ids[first + i]).pages;
+            if let Some((a, b)) = chunk_run(ids.len() - first, size, pages, pages) {
+                best = Some((start, end, a, b));
+                break;
+            }
         }
-        let (_, group, start, end) = best?;
+        let (start, end, run_start, run_end) = best?;
+        let group: Vec<u64> =
+            self.cached_by_va.range(start..end).map(|(_, &(q, _, _))| q).collect();
+        let (start, end) = (run_start, run_end);
         // Join the ranges the run touches: from the one holding its first chunk to the one
         // holding its last.
         let (mut first, mut offset, mut last) = (None, 0, 0);
@@ -1599,6 +1652,27 @@ impl Heap {
         self.cache_range(id);
         let Use::Cached { seq } = self.range(id).use_ else { unreachable!("just cached") };
         Some(self.split_off(seq, start - offset, end - offset))
+    }
+
+    /// The least recently freed cached range with a chunk of at most `left` pages, to be stolen:
+    /// stealing one whose chunks are all larger would give the plan nothing it can map (the
+    /// chunks go bare), yet retire a mapped range a later request could have hit. `scan` is
+    /// where the plan's search goes on from, and how many ranges it has looked at: `left`
+    /// only shrinks, so a range passed over stays of no use to the plan.
+    fn fitting_cached(&self, scan: &mut (u64, usize), left: u64) -> Option<u64> {
+        for (&seq, &id) in self.cached_lru.range(scan.0..) {
+            if scan.1 >= STEAL_CANDIDATES {
+                return None;
+            }
+            scan.1 += 1;
+            if self.range(id).chunks.iter().any(|&c| self.pool.get(c).pages <= left) {
+                scan.0 = seq;
+                scan.1 -= 1;
+                return Some(seq);
+            }
+            scan.0 = seq + 1;
+        }
+        None
     }
 
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
@@ -2074,7 +2148,7 @@ impl Heap {
                 cached_pages += r.pages;
                 if self.cached_lru.get(&seq) != Some(&(id as RangeId))
                     || !self.cached_by_size.contains(&(r.pages, r.va, seq))
-                    || self.cached_by_va.get(&r.va) != Some(&(seq, r.pages))
+                    || self.cached_by_va.get(&r.va) != Some(&(seq, r.pages, id as RangeId))
                 {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
@@ -2091,17 +2165,25 @@ impl Heap {
         {
             return Err("cache indexes disagree with the ranges".into());
         }
-        let seams: BTreeSet<u64> = self
-            .cached_by_va
-            .iter()
-            .zip(self.cached_by_va.iter().skip(1))
-            .filter(|((&a, &(_, p)), (&b, _))| a + p * page == b && self.same_reservation(a, b))
-            .map(|(_, (&b, _))| b)
-            .collect();
-        if seams != self.cached_seams {
+        // Groups of cached neighbours, from the cached ranges in address order.
+        let mut groups: Vec<(u64, u64, usize)> = Vec::new();
+        for (&a, &(_, p, _)) in &self.cached_by_va {
+            match groups.last_mut() {
+                Some(g) if g.1 == a && self.same_reservation(g.0, a) => {
+                    g.1 = a + p * page;
+                    g.2 += 1;
+                }
+                _ => groups.push((a, a + p * page, 1)),
+            }
+        }
+        let groups: BTreeMap<u64, u64> =
+            groups.into_iter().filter(|g| g.2 > 1).map(|g| (g.0, g.1)).collect();
+        let by_size: BTreeSet<(u64, u64)> =
+            groups.iter().map(|(&s, &e)| ((e - s) / page, s)).collect();
+        if groups != self.cached_groups || by_size != self.cached_groups_by_size {
             return Err(format!(
-                "seams between cached neighbours {:?}, expected {:?}",
-                self.cached_seams, seams
+                "groups of cached neighbours {:?} by size {:?}, expected {groups:?}",
+                self.cached_groups, self.cached_groups_by_size
             ));
         }
         let mut pending_ranges = 0;
