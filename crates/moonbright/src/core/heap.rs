@@ -77,9 +77,11 @@ const SPLIT_CHUNKS_SEEN: usize = 2048;
 /// cached neighbours large enough, smallest first, for a run across them (`Heap::split_joined`).
 const JOIN_CHUNKS_SEEN: usize = 512;
 
-/// Cached ranges, least recently freed first, a plan looks into for one with a chunk no larger
-/// than what it still needs (`Heap::fitting_cached`), in all.
+/// Cached ranges, least recently freed first, a plan looks into for the one with the largest
+/// chunk no larger than what it still needs (`Heap::fitting_cached`) each time it steals one,
+/// and in all: the search runs under the heap lock.
 const STEAL_CANDIDATES: usize = 256;
+const STEAL_LOOKS: usize = 1024;
 
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
 /// unmapped now (each look scans the retired ranges).
@@ -1654,25 +1656,33 @@ impl Heap {
         Some(self.split_off(seq, start - offset, end - offset))
     }
 
-    /// The least recently freed cached range with a chunk of at most `left` pages, to be stolen:
-    /// stealing one whose chunks are all larger would give the plan nothing it can map (the
-    /// chunks go bare), yet retire a mapped range a later request could have hit. `scan` is
-    /// where the plan's search goes on from, and how many ranges it has looked at: `left`
-    /// only shrinks, so a range passed over stays of no use to the plan.
+    /// The cached range to steal for a plan that still needs `left` pages: of the first
+    /// `STEAL_CANDIDATES` in freeing order (least recently freed first), the one with the
+    /// largest chunk of at most `left` pages, the first such on a tie. A range whose chunks are
+    /// all larger would give the plan nothing it can map (they go bare), yet retire a mapped
+    /// range a later request could have hit; and the largest chunk that fits stitches the
+    /// request from the fewest handles, as bare chunks are taken largest first. `scan`: where
+    /// the plan's search goes on from (`left` only shrinks, so a range passed over for having
+    /// no chunk that fits stays of no use to the plan), and the ranges looked at so far, at most
+    /// `STEAL_LOOKS` for the plan.
     fn fitting_cached(&self, scan: &mut (u64, usize), left: u64) -> Option<u64> {
-        for (&seq, &id) in self.cached_lru.range(scan.0..) {
-            if scan.1 >= STEAL_CANDIDATES {
-                return None;
+        let mut best: Option<(u64, u64)> = None;
+        for (looked, (&seq, &id)) in self.cached_lru.range(scan.0..).enumerate() {
+            if looked >= STEAL_CANDIDATES || scan.1 >= STEAL_LOOKS {
+                break;
             }
             scan.1 += 1;
-            if self.range(id).chunks.iter().any(|&c| self.pool.get(c).pages <= left) {
-                scan.0 = seq;
-                scan.1 -= 1;
-                return Some(seq);
+            let chunks = self.range(id).chunks.iter().map(|&c| self.pool.get(c).pages);
+            match chunks.filter(|&p| p <= left).max() {
+                Some(p) if best.map_or(true, |b| p > b.1) => best = Some((seq, p)),
+                None if best.is_none() => scan.0 = seq + 1,
+                _ => {}
             }
-            scan.0 = seq + 1;
+            if best.is_some_and(|b| b.1 == left) {
+                break;
+            }
         }
-        None
+        best.map(|b| b.0)
     }
 
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
