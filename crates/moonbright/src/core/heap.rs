@@ -1562,22 +1562,35 @@ impl Heap {
     fn split_off(&mut self, seq: u64, start: usize, end: usize) -> RangeId {
         let id = self.uncache(seq);
         let range = self.remove_range(id);
-        let ids = range.chunks.into_vec();
+        self.stats.cached_ranges_split += 1;
+        self.split_chunks(range.va, range.pages, range.chunks.into_vec(), start, end)
+    }
+
+    /// Makes chunks `start..end` of `ids`, mapped back to back from `base` (`pages` pages in
+    /// all), a range of their own (returned, out of the cache); what is left on either side is
+    /// cached.
+    fn split_chunks(
+        &mut self,
+        base: u64,
+        pages: u64,
+        ids: Vec<ChunkId>,
+        start: usize,
+        end: usize,
+    ) -> RangeId {
         let pages_of = |cs: &[ChunkId]| cs.iter().map(|&c| self.pool.get(c).pages).sum::<u64>();
         let (before, run, after) = (&ids[..start], &ids[start..end], &ids[end..]);
         let (p_before, p_run) = (pages_of(before), pages_of(run));
-        let va = range.va + self.bytes(p_before);
+        let va = base + self.bytes(p_before);
         if !before.is_empty() {
-            let id = self.add_range(range.va, p_before, Chunks::from(before.to_vec()), Use::Alloc);
+            let id = self.add_range(base, p_before, Chunks::from(before.to_vec()), Use::Alloc);
             self.cache_range(id);
         }
         if !after.is_empty() {
-            let p_after = range.pages - p_before - p_run;
+            let p_after = pages - p_before - p_run;
             let at = va + self.bytes(p_run);
             let id = self.add_range(at, p_after, Chunks::from(after.to_vec()), Use::Alloc);
             self.cache_range(id);
         }
-        self.stats.cached_ranges_split += 1;
         self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc)
     }
 
@@ -1650,10 +1663,7 @@ impl Heap {
             chunks.extend(range.chunks.into_vec());
         }
         self.stats.cached_ranges_joined += (last - first) as u64;
-        let id = self.add_range(va, joined_pages, Chunks::from(chunks), Use::Alloc);
-        self.cache_range(id);
-        let Use::Cached { seq } = self.range(id).use_ else { unreachable!("just cached") };
-        Some(self.split_off(seq, start - offset, end - offset))
+        Some(self.split_chunks(va, joined_pages, chunks, start - offset, end - offset))
     }
 
     /// The cached range to steal for a plan that still needs `left` pages: of the first

@@ -92,7 +92,8 @@ pub struct Stats {
     pub targeted_flushes: u64,
     /// Cached ranges broken up to reuse their pages elsewhere.
     pub cached_ranges_stolen: u64,
-    /// Cached ranges split at a chunk boundary to serve a smaller request (no driver call).
+    /// Cached ranges split at a chunk boundary to serve a smaller request (no driver call);
+    /// a run taken across joined neighbours counts in `cached_ranges_joined` only.
     pub cached_ranges_split: u64,
     /// Cached ranges joined to a neighbour to serve a request that no one of them could
     /// (`Heap::split_joined`): one count per join, so joining three ranges counts two.
