@@ -54,8 +54,7 @@ impl Shared {
                     let mut heap = self.heap();
                     let r = heap.commit_grow(ptr, len, plan, ex);
                     self.validated(&heap);
-                    drop(heap);
-                    self.wake_worker();
+                    self.wake_worker_if_due(heap);
                     return r;
                 }
                 Resize::Busy => crate::sync::pause(WAIT_STEP),
