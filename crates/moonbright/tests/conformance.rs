@@ -661,6 +661,85 @@ fn reservations_start_on_page_table_regions(opts: Options) {
     }
 }
 
+/// A word at the start of each of `pages` pages from `ptr`, from `id` and the page's index.
+fn page_word(id: u64, i: u64) -> [u8; 8] {
+    (id << 32 ^ i).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()
+}
+
+fn stamp_pages(a: &Allocator, ptr: u64, pages: u64, id: u64) {
+    let page = a.page_size() as u64;
+    for i in 0..pages {
+        a.write(ptr + i * page, &page_word(id, i)).unwrap();
+    }
+}
+
+fn pages_intact(a: &Allocator, ptr: u64, pages: u64, id: u64) -> bool {
+    let page = a.page_size() as u64;
+    let mut got = [0u8; 8];
+    (0..pages).all(|i| {
+        a.read(ptr + i * page, &mut got).unwrap();
+        got == page_word(id, i)
+    })
+}
+
+/// Thousands of one-page chunks (the brief: a whole GPU is about 70,000 handles of 2 MiB;
+/// `scale` runs that on the H200): each allocation a chunk of its own; then every other one
+/// freed and all their pages asked for in one allocation, stitched from those scattered chunks
+/// with one set access and no new memory; then every page in one allocation. Every page keeps
+/// its bytes, the books agree, and `release_unused` gives every chunk back.
+fn thousands_of_one_page_chunks_stitch_into_one_range(opts: Options) {
+    let page = Allocator::new(opts.clone()).unwrap().page_size() as u64;
+    let o = Options {
+        validate: false,
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        max_chunk_bytes: page,
+        large_chunk_bytes: page,
+        largest_chunk_bytes: page,
+        ..opts
+    };
+    let a = Allocator::new(o).unwrap();
+    let n = (a.cap() / page).min(2048) & !1;
+    assert!(n >= 512, "the cap holds {n} pages");
+    let live: Vec<u64> = (0..n).map(|_| a.malloc(page as usize).unwrap()).collect();
+    for (i, &p) in live.iter().enumerate() {
+        stamp_pages(&a, p, 1, i as u64);
+    }
+    assert_eq!(a.stats().chunks.current, n);
+    for &p in live.iter().skip(1).step_by(2) {
+        a.free(p).unwrap();
+    }
+    let before = vmm(&a);
+    let half = a.malloc((n / 2 * page) as usize).unwrap();
+    let [create, map, set_access, _] = vmm(&a);
+    assert_eq!(
+        [create - before[0], map - before[1], set_access - before[2]],
+        [0, n / 2, 1],
+        "the freed pages' chunks, mapped back to back with one set access"
+    );
+    stamp_pages(&a, half, n / 2, u64::MAX);
+    for (i, &p) in live.iter().enumerate().step_by(2) {
+        assert!(pages_intact(&a, p, 1, i as u64), "live page {i} changed");
+    }
+    assert!(pages_intact(&a, half, n / 2, u64::MAX));
+    a.check_invariants().unwrap();
+    a.free(half).unwrap();
+    for &p in live.iter().step_by(2) {
+        a.free(p).unwrap();
+    }
+    let before = vmm(&a);
+    let whole = a.malloc((n * page) as usize).unwrap();
+    let after = vmm(&a);
+    assert_eq!([after[0] - before[0], after[1] - before[1], after[2] - before[2]], [0, n, 1]);
+    stamp_pages(&a, whole, n, 7);
+    assert!(pages_intact(&a, whole, n, 7));
+    assert_eq!(a.stats().chunks.current, n);
+    a.check_invariants().unwrap();
+    a.free(whole).unwrap();
+    gives_everything_back(&a);
+    assert_eq!(a.stats().chunks.current, 0);
+}
+
 macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
@@ -766,6 +845,13 @@ macro_rules! suite {
                 let opts: Option<Options> = $opts;
                 if let Some(o) = opts {
                     super::reservations_start_on_page_table_regions(o)
+                }
+            }
+            #[test]
+            fn thousands_of_one_page_chunks_stitch_into_one_range() {
+                let opts: Option<Options> = $opts;
+                if let Some(o) = opts {
+                    super::thousands_of_one_page_chunks_stitch_into_one_range(o)
                 }
             }
             #[test]
