@@ -11,15 +11,14 @@
 //! 3. `hits`: with N allocations live, 10,000 times a random one is freed and a page asked for
 //!    again (cache hits).
 //! 4. `scatter`: every other allocation is freed, then one allocation of N/2 pages is made,
-//!    stitched from the freed ranges' chunks, which lie one page apart.
+//!    stitched from the freed ranges' chunks, which lie one page apart; then `flush` unmaps the
+//!    ranges it retired. Unmap batches wait for these flushes (their thresholds are set out of
+//!    reach), so that no phase counts the worker's calls beside its own requests'.
 //! 5. `whole`: everything is freed, then one allocation of all N pages: the whole device,
-//!    stitched from N handles in one range.
+//!    stitched from N handles in one range; then `flush` again.
 //! 6. `bookkeeping`: statistics, segments (what a memory snapshot lists) and a full invariant
 //!    check with N chunks held.
-//! 7. `flush`: the ranges the stitches retired unmapped (1.5 N one-page mappings). Unmap
-//!    batches wait for this phase (their thresholds are set out of reach), so that no phase
-//!    counts the worker's calls beside its own requests'.
-//! 8. `release`: the whole allocation freed and `release_unused`: N handles unmapped and
+//! 7. `release`: the whole allocation freed and `release_unused`: N handles unmapped and
 //!    released.
 //!
 //! Every page of every allocation gets one word written and read back through the allocator;
@@ -353,6 +352,12 @@ fn run(args: &Args) -> Res<Report> {
     p.bad_words = probe_pages(&a, stitched, half, page, 1)?;
     phases.push(p);
 
+    // The ranges the stitch retired (N/2 one-page mappings) unmapped, as the worker's batches
+    // would have done.
+    let m = mark(d);
+    a.flush().map_err(e)?;
+    phases.push(phase("flush: what scatter retired", d, &m));
+
     // whole: everything freed, then all N pages in one allocation.
     a.free(stitched).map_err(e)?;
     for ptr in kept {
@@ -385,10 +390,10 @@ fn run(args: &Args) -> Res<Report> {
         phases.push(Phase { name, wall_ms, own_ms: wall_ms, ..Phase::default() });
     }
 
-    // flush: the ranges the stitches retired (1.5 N one-page mappings) unmapped.
+    // The ranges the whole-device stitch retired (N one-page mappings) unmapped.
     let m = mark(d);
     a.flush().map_err(e)?;
-    phases.push(phase("flush: what the stitches retired", d, &m));
+    phases.push(phase("flush: what whole retired", d, &m));
 
     // release: N handles unmapped and released.
     a.free(whole).map_err(e)?;

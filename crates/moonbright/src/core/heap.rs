@@ -2146,6 +2146,7 @@ impl Heap {
         let mut spans: Vec<(u64, u64, &str)> = Vec::new();
         let mut cached = 0;
         let mut cached_pages = 0;
+        let arenas: std::collections::HashSet<RangeId> = self.sub.arena_ids().collect();
         for (id, r) in
             self.ranges.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
         {
@@ -2173,7 +2174,7 @@ impl Heap {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
             }
-            if r.use_ == Use::Arena && !self.sub.arena_ids().any(|a| a == id as RangeId) {
+            if r.use_ == Use::Arena && !arenas.contains(&(id as RangeId)) {
                 return Err(format!("arena range {id} unknown to the sub-page allocator"));
             }
             spans.push((r.va, r.pages * page, "range"));
@@ -2286,7 +2287,7 @@ impl Heap {
                 return Err(format!("chunk {c} counts {} mappings, {found} found", chunk.mappings));
             }
         }
-        if owners.keys().any(|&c| !self.pool.iter().any(|(id, _)| id == c)) {
+        if owners.keys().any(|&c| self.pool.try_get(c).is_none()) {
             return Err("a range holds a chunk the pool does not know".into());
         }
         // Mapped, retired, recycled, slab and never-used addresses are disjoint and inside
