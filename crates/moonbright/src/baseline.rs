@@ -100,6 +100,7 @@ impl NoRemapAllocator {
                 free_in_pool: free,
                 cap: self.cap,
                 short: st.reserved + seg_len - self.cap,
+                driver: None,
             });
         }
         let seg = self.create_segment(seg_len)?;

@@ -6,12 +6,9 @@ use crate::driver::DriverError;
 /// Everything that can go wrong in an allocator call.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum Error {
-    /// Not enough free memory, counting every free page wherever it is.
-    #[error(
-        "out of memory: tried to allocate {requested} bytes; {allocated} bytes are allocated, \
-         {reserved} bytes reserved, of which {free_in_pool} are free; the cap is {cap} bytes. \
-         {short} more bytes must be freed for this request to succeed, or the cap raised (option `cap`)"
-    )]
+    /// Not enough free memory, counting every free page wherever it is; or the driver itself
+    /// refused the memory or mapping (`driver`), with room left under the cap.
+    #[error("{}", out_of_memory_text(*requested, *allocated, *reserved, *free_in_pool, *cap, *short, driver.as_ref()))]
     OutOfMemory {
         /// Bytes asked for.
         requested: u64,
@@ -25,6 +22,11 @@ pub enum Error {
         cap: u64,
         /// How many more bytes would have to be free for this request to succeed.
         short: u64,
+        /// The driver's refusal, when a call of the request's own failed for lack of memory:
+        /// the device had no room (memory held outside MoonBright counts against it) or the
+        /// driver ran out of its own resources for a mapping. MoonBright's books alone then
+        /// cannot say how much must be freed.
+        driver: Option<DriverError>,
     },
     /// A request that no allocator state could satisfy.
     #[error(
@@ -153,3 +155,30 @@ pub enum Error {
 
 /// Result of an allocator call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `Error::OutOfMemory`'s text: what the books say, and the driver's refusal when there was one.
+fn out_of_memory_text(
+    requested: u64,
+    allocated: u64,
+    reserved: u64,
+    free_in_pool: u64,
+    cap: u64,
+    short: u64,
+    driver: Option<&DriverError>,
+) -> String {
+    let books = format!(
+        "{allocated} bytes are allocated, {reserved} bytes reserved, of which {free_in_pool} are \
+         free; the cap is {cap} bytes"
+    );
+    match driver {
+        None => format!(
+            "out of memory: tried to allocate {requested} bytes; {books}. {short} more bytes must \
+             be freed for this request to succeed, or the cap raised (option `cap`)"
+        ),
+        Some(d) => format!(
+            "out of memory: tried to allocate {requested} bytes and the driver refused: {d}; \
+             {books}. The device itself had no room for it (memory held outside MoonBright \
+             counts against it) or the driver ran out of its own resources for the mapping"
+        ),
+    }
+}

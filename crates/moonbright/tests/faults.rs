@@ -260,15 +260,35 @@ fn deferred_unmap_failure_is_recorded_and_retried() {
     drains_clean(&a);
 }
 
+/// A create or a map the driver refuses for lack of memory is an out-of-memory error that
+/// carries the refusal (the books alone would ask to free memory that may be free already);
+/// nothing is lost, and the next request succeeds.
 #[test]
-fn driver_out_of_memory_becomes_an_oom_error() {
+fn driver_out_of_memory_becomes_an_oom_error_with_the_drivers_refusal() {
     let a = tight();
-    a.driver().fail_nth(CallKind::Create, 1, Some(code::OUT_OF_MEMORY));
-    let err = a.malloc(2 * PAGE).unwrap_err();
-    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
-    books_agree(&a);
-    let p = a.malloc(2 * PAGE).unwrap();
-    a.free(p).unwrap();
+    for kind in [CallKind::Create, CallKind::Map] {
+        a.release_unused().unwrap();
+        let keep = a.malloc(PAGE).unwrap();
+        stamp(&a, keep, PAGE, 3).unwrap();
+        a.driver().fail_nth(kind, 1, Some(code::OUT_OF_MEMORY));
+        let err = a.malloc(2 * PAGE).unwrap_err();
+        let Error::OutOfMemory { driver: Some(d), .. } = &err else {
+            panic!("{kind:?}: expected out of memory with the driver's refusal, got {err:?}")
+        };
+        assert_eq!((d.call, d.code), (kind, code::OUT_OF_MEMORY));
+        assert!(err.to_string().contains("the driver refused"), "{err}");
+        books_agree(&a);
+        assert!(verify(&a, keep, PAGE, 3).unwrap(), "{kind:?}: a live allocation changed");
+        let p = a.malloc(2 * PAGE).unwrap();
+        a.free(p).unwrap();
+        a.free(keep).unwrap();
+    }
+    // Out of memory by the books alone names no driver call.
+    let big = a.malloc(80 * PAGE).unwrap();
+    let err = a.malloc(32 * PAGE).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { driver: None, .. }), "{err}");
+    assert!(err.to_string().contains("more bytes must be freed"), "{err}");
+    a.free(big).unwrap();
     drains_clean(&a);
 }
 

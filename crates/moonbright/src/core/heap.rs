@@ -1389,7 +1389,7 @@ impl Heap {
                 // Chunks created for the range that could not be released again stay, bare.
                 self.give_back(chunks, same_stream);
                 Err(if e.is_out_of_memory() {
-                    self.out_of_memory(plan.len, plan.len / self.lim.page)
+                    self.out_of_memory_because(plan.len, plan.len / self.lim.page, Some(e))
                 } else {
                     e.into()
                 })
@@ -1420,6 +1420,17 @@ impl Heap {
     }
 
     fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
+        self.out_of_memory_because(requested, short_pages, None)
+    }
+
+    /// Out of memory, with the driver's refusal when a call of the request's failed for lack of
+    /// memory: the books alone would say memory must be freed when it may be free already.
+    fn out_of_memory_because(
+        &self,
+        requested: u64,
+        short_pages: u64,
+        driver: Option<DriverError>,
+    ) -> Error {
         Error::OutOfMemory {
             requested,
             allocated: self.stats.allocated_bytes.current,
@@ -1428,6 +1439,7 @@ impl Heap {
                 .bytes(self.pool.bare_pages() + self.cached_pages + self.window.pages()),
             cap: self.lim.cap,
             short: self.bytes(short_pages),
+            driver,
         }
     }
 
