@@ -17,7 +17,7 @@
 //! 5. `whole`: everything is freed, then one allocation of all N pages: the whole device,
 //!    stitched from N handles in one range; then `flush` again.
 //! 6. `bookkeeping`: statistics, segments (what a memory snapshot lists) and a full invariant
-//!    check with N chunks held.
+//!    check, with N one-page ranges live (after `fill`) and with the whole device in one.
 //! 7. `release`: the whole allocation freed and `release_unused`: N handles unmapped and
 //!    released.
 //!
@@ -272,6 +272,28 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// Times the statistics, the segments (what a memory snapshot lists) and a full invariant
+/// check, as phases named after `what` is live.
+fn bookkeeping(a: &Allocator, what: &str, phases: &mut Vec<Phase>) -> Res<()> {
+    let t = Instant::now();
+    let st = a.stats();
+    let stats_ms = ms(t);
+    let t = Instant::now();
+    let segments = a.segments();
+    let segments_ms = ms(t);
+    let t = Instant::now();
+    a.check_invariants().map_err(|e| format!("invariants: {e}"))?;
+    let check_ms = ms(t);
+    for (name, wall_ms) in [
+        (format!("stats ({what}, {} chunks)", st.chunks.current), stats_ms),
+        (format!("segments ({what}, {} listed)", segments.len()), segments_ms),
+        (format!("check_invariants ({what})"), check_ms),
+    ] {
+        phases.push(Phase { name, wall_ms, own_ms: wall_ms, ..Phase::default() });
+    }
+    Ok(())
+}
+
 fn run(args: &Args) -> Res<Report> {
     let gpu = if args.host { None } else { Some(Gpu::open()?) };
     let kernels = gpu.as_ref().map(Kernels::new).transpose()?;
@@ -319,6 +341,9 @@ fn run(args: &Args) -> Res<Report> {
         p.bad_words += probe_pages(&a, ptr, 1, page, i as u64)?;
     }
     phases.push(p);
+
+    // bookkeeping with N one-page ranges live: what a memory snapshot walks.
+    bookkeeping(&a, "N ranges", &mut phases)?;
 
     // hits: a random allocation freed and a page asked for again, with N live.
     let mut rng = ChaCha8Rng::seed_from_u64(29);
@@ -373,22 +398,7 @@ fn run(args: &Args) -> Res<Report> {
     phases.push(p);
 
     // bookkeeping with N chunks held and the whole device live.
-    let t = Instant::now();
-    let st = a.stats();
-    let stats_ms = ms(t);
-    let t = Instant::now();
-    let segments = a.segments();
-    let segments_ms = ms(t);
-    let t = Instant::now();
-    a.check_invariants().map_err(|e| format!("invariants: {e}"))?;
-    let check_ms = ms(t);
-    for (name, wall_ms) in [
-        (format!("stats ({} chunks)", st.chunks.current), stats_ms),
-        (format!("segments ({} listed)", segments.len()), segments_ms),
-        ("check_invariants".to_string(), check_ms),
-    ] {
-        phases.push(Phase { name, wall_ms, own_ms: wall_ms, ..Phase::default() });
-    }
+    bookkeeping(&a, "one range", &mut phases)?;
 
     // The ranges the whole-device stitch retired (N one-page mappings) unmapped.
     let m = mark(d);
