@@ -911,6 +911,48 @@ fn gives_everything_back(a: &Allocator) {
     a.check_invariants().unwrap();
 }
 
+/// A request that finds no addresses flushes retired ranges only if their unmap could give it
+/// a run of addresses: scattered one-page ranges cannot give a large one, so it reserves anew
+/// at once (it used to unmap them all first, and reserve anyway).
+#[test]
+fn a_request_no_unmap_could_place_reserves_without_flushing() {
+    let page = 64u64 << 10;
+    let a = Allocator::new(Options {
+        va_reserve_factor: 1,
+        max_chunk_bytes: page,
+        large_chunk_bytes: page,
+        largest_chunk_bytes: page,
+        prefetch_window_min: 0,
+        prefetch_window_max: 0,
+        unmap_batch_ranges: 1 << 20,
+        unmap_batch_bytes: 1 << 40,
+        validate: false,
+        ..host_options()
+    })
+    .unwrap();
+    // The reservation holds the device: 4,096 pages of 64 KiB.
+    let live: Vec<u64> = (0..1024).map(|_| a.malloc(page as usize).unwrap()).collect();
+    for &p in live.iter().skip(1).step_by(2) {
+        a.free(p).unwrap();
+    }
+    // Stitched from the freed pages' chunks: their 512 ranges are retired, one page apart.
+    let half = a.malloc(512 * page as usize).unwrap();
+    assert_eq!(a.stats().retired_ranges.current, 512);
+    let calls = |k| a.driver().counts().get(k);
+    let (unmaps, reserves) = (calls(CallKind::Unmap), calls(CallKind::Reserve));
+    // 2,561 pages: more than the frontier has left (2,560), and no unmap frees that many in a row.
+    let big = a.malloc(2561 * page as usize).unwrap();
+    assert_eq!(calls(CallKind::Unmap) - unmaps, 0, "unmapped ranges that could not help");
+    assert_eq!(calls(CallKind::Reserve) - reserves, 1);
+    assert_eq!(a.stats().flushes_for_addresses, 0);
+    assert_eq!(a.stats().retired_ranges.current, 512);
+    a.check_invariants().unwrap();
+    for p in live.iter().step_by(2).copied().chain([half, big]) {
+        a.free(p).unwrap();
+    }
+    gives_everything_back(&a);
+}
+
 #[test]
 fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
     let a = Allocator::new(host_options()).unwrap();

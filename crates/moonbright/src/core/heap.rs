@@ -1082,7 +1082,7 @@ impl Heap {
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
-            if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
+            if self.va.unmap_could_free(len) || self.unmapping > self.unmapping_private.len() {
                 self.stats.flushes_for_addresses += 1;
                 return Step::Flush(None);
             }
@@ -1836,7 +1836,7 @@ impl Heap {
                 for c in got {
                     self.pool.put_bare(c);
                 }
-                if self.va.has_retired_shared() || self.unmapping > self.unmapping_private.len() {
+                if self.va.unmap_could_free(slab) || self.unmapping > self.unmapping_private.len() {
                     return Some(Step::Flush(None));
                 }
                 let size = self.lim.reserve_bytes.max(slab);
