@@ -990,6 +990,53 @@ fn a_smaller_request_splits_a_cached_range_at_its_chunks_with_no_driver_call() {
     gives_everything_back(&a);
 }
 
+/// A run of exactly the pages asked for, split off a cached range, comes before a near fit
+/// (a cached range up to 1/8 larger, taken whole): pages a live allocation holds beyond its
+/// request are held at the peak too, where split off they serve the next request.
+#[test]
+fn an_exact_run_is_split_off_before_a_near_fit_is_taken_whole() {
+    let a = Allocator::new(host_options()).unwrap();
+    let page = a.page_size() as u64;
+    // Nine pages come as chunks of 4, 4 and 1 (the chunk limit is 4 pages): a near fit for
+    // eight, and the first two chunks an exact run.
+    let big = a.malloc((9 * page) as usize).unwrap();
+    a.free(big).unwrap();
+    let before = vmm(&a);
+    let eight = a.malloc((8 * page) as usize).unwrap();
+    assert_eq!(eight, big);
+    assert_eq!(a.usable_size(eight), Some((8 * page) as usize), "no page beyond the request");
+    assert_eq!(a.stats().rounding_waste_bytes.current, 0);
+    assert_eq!(a.stats().cached_ranges_split, 1);
+    // The ninth page is still cached where it was mapped, for the next request.
+    assert_eq!(a.malloc(page as usize).unwrap(), big + 8 * page);
+    assert_eq!(vmm(&a), before, "no driver call");
+    a.check_invariants().unwrap();
+    a.free(eight).unwrap();
+    a.free(big + 8 * page).unwrap();
+    gives_everything_back(&a);
+
+    // With no exact run, the near fit serves whole. Ranges of 4, 1 and 4 pages back to back,
+    // joined by a request for all nine, come back as one cached range of chunks 4, 1 and 4:
+    // no run of them holds exactly eight pages.
+    let a = Allocator::new(host_options()).unwrap();
+    let parts: Vec<u64> =
+        [4, 1, 4].iter().map(|&n| a.malloc((n * page) as usize).unwrap()).collect();
+    for &p in &parts {
+        a.free(p).unwrap();
+    }
+    let nine = a.malloc((9 * page) as usize).unwrap();
+    assert_eq!(a.segments().iter().find(|s| s.addr == nine).unwrap().chunks, 3);
+    a.free(nine).unwrap();
+    let before = (vmm(&a), a.stats().cached_ranges_split);
+    let near = a.malloc((8 * page) as usize).unwrap();
+    assert_eq!(near, nine, "the near fit, whole");
+    assert_eq!(a.usable_size(near), Some((9 * page) as usize));
+    assert_eq!((vmm(&a), a.stats().cached_ranges_split), before, "no driver call, no split");
+    a.check_invariants().unwrap();
+    a.free(near).unwrap();
+    gives_everything_back(&a);
+}
+
 #[test]
 fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call() {
     let a = Allocator::new(host_options()).unwrap();
