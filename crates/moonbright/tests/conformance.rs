@@ -1092,6 +1092,51 @@ fn cached_apart(a: &Allocator, sizes: &[u64]) -> (Vec<u64>, Vec<u64>) {
     (cached, live)
 }
 
+/// A plan looks for a cached range to steal with a chunk that fits what it still needs, least
+/// recently freed first, but under the heap lock only so far: 256 ranges a look (1,024 in all),
+/// going on from there when the plan looks again. Past that, it splits a chunk instead.
+#[test]
+fn the_search_for_a_cached_chunk_that_fits_is_bounded() {
+    for (ahead, found) in [(200, true), (600, false)] {
+        let a = Allocator::new(Options {
+            cap_fraction: 1.0,
+            max_chunk_bytes: 256 << 10,
+            ..Options::host(512 * MIB, 64 << 10)
+        })
+        .unwrap();
+        let page = a.page_size() as u64;
+        // `ahead` cached ranges of one chunk of four pages, too large for three pages without a
+        // split, then one of two pages, freed last.
+        let mut sizes = vec![4; ahead];
+        sizes.push(2);
+        let (cached, live) = cached_apart(&a, &sizes);
+        let two = *cached.last().unwrap();
+        let s0 = a.stats();
+        let p = a.malloc((3 * page) as usize).unwrap();
+        let s = a.stats();
+        let delta = |f: fn(&moonbright::Stats) -> u64| f(&s) - f(&s0);
+        // Either way one four-page chunk is split (three pages for the request, one spare).
+        assert_eq!(delta(|s| s.request_released_chunks), 1);
+        assert_eq!(delta(|s| s.request_created_chunks), 2);
+        let stolen = delta(|s| s.cached_ranges_stolen);
+        if found {
+            assert_eq!(stolen, 2, "the two pages, then the oldest range");
+        } else {
+            assert_eq!(stolen, 1, "only the oldest range: the search stopped");
+            let before = vmm(&a);
+            assert_eq!(a.malloc((2 * page) as usize).unwrap(), two, "still cached");
+            assert_eq!(vmm(&a), before);
+            a.free(two).unwrap();
+        }
+        a.check_invariants().unwrap();
+        a.free(p).unwrap();
+        for q in live {
+            a.free(q).unwrap();
+        }
+        gives_everything_back(&a);
+    }
+}
+
 #[test]
 fn a_miss_steals_only_cached_ranges_with_a_chunk_it_can_map() {
     let a = Allocator::new(host_options()).unwrap();
