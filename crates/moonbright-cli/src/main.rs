@@ -48,6 +48,11 @@ pub(crate) struct ReplayArgs {
     /// More options, as in MOONBRIGHT_ALLOC_CONF (`key:value,...`, e.g. `background:false`).
     #[arg(long, default_value = "")]
     pub conf: String,
+    /// Keep the recording's pace (its `dt_us` gaps), sped up this many times (1: as recorded),
+    /// so the background worker sees the idle spells the program left it. Default: as fast as
+    /// it goes.
+    #[arg(long)]
+    pub pace: Option<f64>,
 }
 
 #[derive(Subcommand)]

@@ -193,6 +193,9 @@ pub(crate) fn run(
     let load = t.elapsed();
     let recorded = trace.recorded();
     let opts = options(args, &recorded)?;
+    if args.pace.is_some() && recorded.duration_us == 0 {
+        return Err(format!("--pace: {} records no times (dt_us)", path.display()));
+    }
     let alloc = Allocator::new(opts).map_err(|e| e.to_string())?;
 
     let n = trace.events.len();
@@ -207,7 +210,10 @@ pub(crate) fn run(
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let ropts = ReplayOptions { limit: None, series_points };
+    if let Some(p) = args.pace.filter(|p| !(*p > 0.0 && p.is_finite())) {
+        return Err(format!("--pace {p} must be a positive number"));
+    }
+    let ropts = ReplayOptions { limit: None, series_points, pace: args.pace };
     let report = trace::replay(&alloc, &trace, &ropts, &mut |done| bar.set_position(done));
     bar.finish_and_clear();
     let stats = alloc.stats();

@@ -521,6 +521,11 @@ pub struct ReplayOptions {
     /// Keep about this many points of allocated and reserved bytes over events for a plot
     /// (each point the highest values in its stretch of events); 0 keeps none.
     pub series_points: usize,
+    /// Keep the recording's pace, sped up this many times: each event waits until the
+    /// recorded time since the first (the sum of `dt_us`), divided by this, has passed; a
+    /// late event goes at once. `None`: as fast as it goes. Paced, the background worker sees
+    /// the idle spells a program leaves it; unpaced, it sees none.
+    pub pace: Option<f64>,
 }
 
 /// One point of a replay's series: the highest allocated and reserved bytes over a stretch of
@@ -652,6 +657,19 @@ pub fn quantile(sorted: &[u64], q: f64) -> Option<u64> {
     Some(sorted[rank.saturating_sub(1).min(sorted.len() - 1)])
 }
 
+/// Waits until `t`: sleeps through all but the last 200 µs of a long wait, spins the rest (a
+/// sleep overshoots by tens of microseconds, and most of a trace's gaps are shorter).
+fn wait_until(t: Instant) {
+    const SPIN: Duration = Duration::from_micros(200);
+    let now = Instant::now();
+    if t > now + SPIN {
+        std::thread::sleep(t - now - SPIN);
+    }
+    while Instant::now() < t {
+        std::hint::spin_loop();
+    }
+}
+
 /// How often [`replay`] reports progress, in events.
 pub const PROGRESS_EVERY: usize = 1 << 14;
 
@@ -682,7 +700,12 @@ pub fn replay(
     };
     let mut point = SeriesPoint { event: 0, allocated: 0, reserved: 0 };
     let start = Instant::now();
+    let mut due_us = 0.0;
     for (i, e) in events.iter().enumerate() {
+        if let Some(speed) = opts.pace.filter(|s| *s > 0.0) {
+            due_us += e.dt_us.unwrap_or(0) as f64 / speed;
+            wait_until(start + Duration::from_secs_f64(due_us / 1e6));
+        }
         match e.action {
             Action::Alloc => {
                 rep.allocs += 1;

@@ -198,10 +198,12 @@ fn replay_on_the_host_backend_reaches_the_trace_peak() {
     let alloc = Allocator::new(opts).unwrap();
     let t = handmade();
     let mut calls = Vec::new();
-    let rep =
-        trace::replay(&alloc, &t, &ReplayOptions { limit: None, series_points: 4 }, &mut |n| {
-            calls.push(n)
-        });
+    let rep = trace::replay(
+        &alloc,
+        &t,
+        &ReplayOptions { limit: None, series_points: 4, pace: None },
+        &mut |n| calls.push(n),
+    );
     assert_eq!(calls.last(), Some(&12));
     assert_eq!((rep.events, rep.allocs, rep.frees, rep.unknown_frees), (12, 4, 3, 1));
     assert_eq!((rep.failed_allocs, rep.live_at_end), (0, 1));
@@ -223,7 +225,11 @@ fn replay_on_the_host_backend_reaches_the_trace_peak() {
     assert_eq!(rep.failed_allocs, 1, "the 6 MiB block does not fit beside 12 MiB");
     assert_eq!(rep.frees_of_failed, 1);
     assert!(rep.first_error.is_some());
-    let rep =
-        trace::replay(&small, &t, &ReplayOptions { limit: Some(3), series_points: 0 }, &mut |_| {});
+    let rep = trace::replay(
+        &small,
+        &t,
+        &ReplayOptions { limit: Some(3), series_points: 0, pace: None },
+        &mut |_| {},
+    );
     assert_eq!((rep.events, rep.allocs, rep.failed_allocs), (3, 2, 0));
 }

@@ -30,8 +30,8 @@ const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// What a request has waited for so far, over its tries of the fast paths and the slow one.
 struct Waits {
-    /// When it first reached the slow path: read there only, as reading the clock costs
-    /// about a tenth of a cache hit.
+    /// When its plan first came back with anything but a map (a flush, a wait, a
+    /// reservation): the clock is read only then, not for the common plan that maps at once.
     start: Option<std::time::Instant>,
     /// Whether it has polled the recorded events.
     polled: bool,
@@ -44,9 +44,14 @@ impl Waits {
         Waits { start: None, polled: false, pending_frees: false }
     }
 
-    /// Time since it first asked (the first call starts the clock).
-    fn elapsed(&mut self) -> std::time::Duration {
-        self.start.get_or_insert_with(std::time::Instant::now).elapsed()
+    /// Starts the clock, if it has not started yet.
+    fn waiting(&mut self) {
+        self.start.get_or_insert_with(std::time::Instant::now);
+    }
+
+    /// Whether it has waited `MAX_WAIT` since the clock started.
+    fn timed_out(&self) -> bool {
+        self.start.is_some_and(|t| t.elapsed() >= MAX_WAIT)
     }
 }
 
@@ -456,8 +461,11 @@ impl Shared {
             }
         }
         let mut flushing = None;
-        while waits.elapsed() < MAX_WAIT {
+        while !waits.timed_out() {
             let step = self.heap().plan_range(pages, requested, stream);
+            if !matches!(step, Step::Map(_)) {
+                waits.waiting();
+            }
             match step {
                 Step::Map(plan) => {
                     // No longer waiting for unmaps: let the worker's batches run whole again.
