@@ -27,6 +27,8 @@ pub(crate) struct Outcome {
     pub backend: &'static str,
     pub page: usize,
     pub cap: u64,
+    /// The pace the replay kept (`--pace`), if any.
+    pub pace: Option<f64>,
     pub report: ReplayReport,
     pub stats: Stats,
     /// The recorder's reserved bytes over events, bucketed as `report.series` (plots only).
@@ -102,6 +104,7 @@ impl Outcome {
                 "first_error": r.first_error,
                 "live_at_end": r.live_at_end,
                 "wall_s": r.wall.as_secs_f64(),
+                "pace": self.pace,
                 "alloc_latency": lat(&r.alloc_latency_ns),
                 "free_latency": lat(&r.free_latency_ns),
                 "slowest_allocs": r.slowest.iter().map(|a| serde_json::json!({
@@ -183,6 +186,9 @@ pub(crate) fn run(
     limit: Option<usize>,
     series_points: usize,
 ) -> Result<Outcome, String> {
+    if let Some(p) = args.pace.filter(|p| !(*p > 0.0 && p.is_finite())) {
+        return Err(format!("--pace {p} must be a positive number"));
+    }
     let t = Instant::now();
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let (mut trace, format) =
@@ -210,9 +216,6 @@ pub(crate) fn run(
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    if let Some(p) = args.pace.filter(|p| !(*p > 0.0 && p.is_finite())) {
-        return Err(format!("--pace {p} must be a positive number"));
-    }
     let ropts = ReplayOptions { limit: None, series_points, pace: args.pace };
     let report = trace::replay(&alloc, &trace, &ropts, &mut |done| bar.set_position(done));
     bar.finish_and_clear();
@@ -227,6 +230,7 @@ pub(crate) fn run(
         backend: alloc.backend_name(),
         page: alloc.page_size(),
         cap: alloc.cap(),
+        pace: args.pace,
         report,
         stats,
         recorded_series,
@@ -308,8 +312,12 @@ pub(crate) fn print_summary(o: &Outcome) {
         o.load.as_secs_f64()
     );
     println!("backend: {} | page {} KiB | cap {}", o.backend, o.page >> 10, gib(o.cap));
+    let paced = match o.pace {
+        Some(p) => format!(" (paced: the recording's gaps / {p})"),
+        None => String::new(),
+    };
     println!(
-        "replayed {} events in {:.2} s: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
+        "replayed {} events in {:.2} s{paced}: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
         r.events,
         r.wall.as_secs_f64(),
         r.allocs,

@@ -103,6 +103,22 @@ fn replay_prints_the_figures_and_writes_json_and_a_plot() {
 
     let png = std::fs::read(dir.0.join("out.png")).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 1000);
+
+    // Paced: the trace's gaps add up to 72 µs; the pace is said and kept in the JSON.
+    let args = ["replay", "t.csv", "--backend", "host", "--pace", "0.5", "--json", "paced.json"];
+    let o = moonbright(&args, &dir.0);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("(paced: the recording's gaps / 0.5)"), "{out}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("paced.json")).unwrap()).unwrap();
+    assert_eq!(json["replay"]["pace"], 0.5);
+    assert!(json["replay"]["wall_s"].as_f64().unwrap() >= 144e-6, "72 µs at half speed");
+    for bad in ["0", "-1", "inf"] {
+        let pace = format!("--pace={bad}");
+        let o = moonbright(&["replay", "t.csv", "--backend", "host", &pace], &dir.0);
+        assert!(!o.status.success() && text(&o).contains("must be a positive number"), "{bad}");
+    }
 }
 
 #[test]

@@ -233,3 +233,26 @@ fn replay_on_the_host_backend_reaches_the_trace_peak() {
     );
     assert_eq!((rep.events, rep.allocs, rep.failed_allocs), (3, 2, 0));
 }
+
+#[test]
+fn a_paced_replay_keeps_the_recorded_gaps() {
+    use Action::*;
+    // Four events 20 ms apart (the first at 0): 60 ms as recorded.
+    let events = [(Alloc, 0x1000, MIB, 0), (Alloc, 0x2000, MIB, 20_000)]
+        .into_iter()
+        .chain([(FreeCompleted, 0x1000, MIB, 20_000), (FreeCompleted, 0x2000, MIB, 20_000)])
+        .enumerate()
+        .map(|(i, (a, addr, size, dt))| ev(i as u64, a, addr, size, Some(dt)))
+        .collect();
+    let t = Trace { events };
+    let alloc = Allocator::new(Options::host(64 * MIB, 64 << 10)).unwrap();
+    let paced = |speed: f64| {
+        let opts = ReplayOptions { pace: Some(speed), ..ReplayOptions::default() };
+        let rep = trace::replay(&alloc, &t, &opts, &mut |_| {});
+        assert_eq!((rep.allocs, rep.frees, rep.failed_allocs), (2, 2, 0));
+        rep.wall
+    };
+    let ms = std::time::Duration::from_millis;
+    assert!(paced(1.0) >= ms(60), "as recorded: the gaps add up to 60 ms");
+    assert!(paced(4.0) >= ms(15), "four times as fast: 15 ms");
+}
