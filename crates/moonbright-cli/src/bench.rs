@@ -115,8 +115,8 @@ pub(crate) fn command(
     }
     let failed: Vec<String> = outcomes
         .iter()
-        .filter(|o| o.report.failed_allocs > 0)
-        .map(|o| format!("`{}` ({} failed allocations)", o.name(), o.report.failed_allocs))
+        .filter(|o| o.failed_allocs() > 0)
+        .map(|o| format!("`{}` ({} failed allocations)", o.name(), o.failed_allocs()))
         .collect();
     if !failed.is_empty() {
         md.push_str(&format!("\nFailed allocations: {}.\n", failed.join(", ")));

@@ -53,6 +53,11 @@ pub(crate) struct ReplayArgs {
     /// it goes.
     #[arg(long)]
     pub pace: Option<f64>,
+    /// Replay the trace this many times through one allocator (what a longer run of the same
+    /// steps does): each repetition gets a line, and the summary's latencies are the last
+    /// one's, its peaks those of the whole run.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
 }
 
 #[derive(Subcommand)]

@@ -29,13 +29,75 @@ pub(crate) struct Outcome {
     pub cap: u64,
     /// The pace the replay kept (`--pace`), if any.
     pub pace: Option<f64>,
+    /// The last repetition's report (the only one's without `--repeat`).
     pub report: ReplayReport,
+    /// Each repetition's figures, with `--repeat` 2 or more (else empty).
+    pub repetitions: Vec<Repetition>,
     pub stats: Stats,
     /// The recorder's reserved bytes over events, bucketed as `report.series` (plots only).
     pub recorded_series: Vec<u64>,
 }
 
+/// One repetition of a `--repeat` replay: its own latencies and driver work, and the
+/// allocator's peaks so far.
+pub(crate) struct Repetition {
+    pub failed_allocs: u64,
+    pub alloc_p50_us: Option<f64>,
+    pub alloc_p99_us: Option<f64>,
+    pub alloc_max_us: Option<f64>,
+    /// Requests that mapped a range of their own, and the handles they mapped.
+    pub request_maps: u64,
+    pub request_mapped_handles: u64,
+    pub created_chunks: u64,
+    pub unmaps: u64,
+    /// Peak reserved over peak allocated bytes, from the first repetition to this one.
+    pub ratio_so_far: f64,
+    pub wall_s: f64,
+}
+
+impl Repetition {
+    fn of(report: &ReplayReport, before: &Stats, after: &Stats) -> Self {
+        let us = |q| report.alloc_latency_quantile(q).map(|ns| ns as f64 / 1000.0);
+        let calls = |k| after.driver_calls.get(k) - before.driver_calls.get(k);
+        Repetition {
+            failed_allocs: report.failed_allocs,
+            alloc_p50_us: us(0.5),
+            alloc_p99_us: us(0.99),
+            alloc_max_us: report.alloc_latency_ns.last().map(|ns| *ns as f64 / 1000.0),
+            request_maps: after.request_maps - before.request_maps,
+            request_mapped_handles: after.request_mapped_handles - before.request_mapped_handles,
+            created_chunks: calls(CallKind::Create),
+            unmaps: calls(CallKind::Unmap),
+            ratio_so_far: after.reserved_over_allocated_peak(),
+            wall_s: report.wall.as_secs_f64(),
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        json!({
+            "failed_allocs": self.failed_allocs,
+            "alloc_p50_us": self.alloc_p50_us,
+            "alloc_p99_us": self.alloc_p99_us,
+            "alloc_max_us": self.alloc_max_us,
+            "request_maps": self.request_maps,
+            "request_mapped_handles": self.request_mapped_handles,
+            "created_chunks": self.created_chunks,
+            "unmaps": self.unmaps,
+            "reserved_over_allocated_so_far": self.ratio_so_far,
+            "wall_s": self.wall_s,
+        })
+    }
+}
+
 impl Outcome {
+    /// Allocations that failed, in every repetition.
+    pub fn failed_allocs(&self) -> u64 {
+        match self.repetitions.as_slice() {
+            [] => self.report.failed_allocs,
+            reps => reps.iter().map(|r| r.failed_allocs).sum(),
+        }
+    }
+
     /// The trace's file name.
     pub fn name(&self) -> String {
         self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
@@ -105,6 +167,8 @@ impl Outcome {
                 "live_at_end": r.live_at_end,
                 "wall_s": r.wall.as_secs_f64(),
                 "pace": self.pace,
+                "repeat": self.repetitions.len().max(1),
+                "repetitions": self.repetitions.iter().map(Repetition::to_json).collect::<Vec<_>>(),
                 "alloc_latency": lat(&r.alloc_latency_ns),
                 "free_latency": lat(&r.free_latency_ns),
                 "slowest_allocs": r.slowest.iter().map(|a| serde_json::json!({
@@ -189,6 +253,9 @@ pub(crate) fn run(
     if let Some(p) = args.pace.filter(|p| !(*p > 0.0 && p.is_finite())) {
         return Err(format!("--pace {p} must be a positive number"));
     }
+    if args.repeat == 0 {
+        return Err("--repeat must be 1 or more".into());
+    }
     let t = Instant::now();
     let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let (mut trace, format) =
@@ -205,8 +272,9 @@ pub(crate) fn run(
     let alloc = Allocator::new(opts).map_err(|e| e.to_string())?;
 
     let n = trace.events.len();
-    let bar = if n >= PROGRESS_MIN_EVENTS && std::io::stdout().is_terminal() {
-        ProgressBar::with_draw_target(Some(n as u64), ProgressDrawTarget::stderr())
+    let reps = args.repeat as u64;
+    let bar = if n as u64 * reps >= PROGRESS_MIN_EVENTS as u64 && std::io::stdout().is_terminal() {
+        ProgressBar::with_draw_target(Some(n as u64 * reps), ProgressDrawTarget::stderr())
     } else {
         ProgressBar::hidden()
     };
@@ -217,7 +285,17 @@ pub(crate) fn run(
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let ropts = ReplayOptions { limit: None, series_points, pace: args.pace };
-    let report = trace::replay(&alloc, &trace, &ropts, &mut |done| bar.set_position(done));
+    let mut repetitions = Vec::new();
+    let mut report = ReplayReport::default();
+    for i in 0..reps {
+        let before = alloc.stats();
+        let done_before = i * n as u64;
+        report =
+            trace::replay(&alloc, &trace, &ropts, &mut |done| bar.set_position(done_before + done));
+        if reps > 1 {
+            repetitions.push(Repetition::of(&report, &before, &alloc.stats()));
+        }
+    }
     bar.finish_and_clear();
     let stats = alloc.stats();
     let recorded_series =
@@ -232,6 +310,7 @@ pub(crate) fn run(
         cap: alloc.cap(),
         pace: args.pace,
         report,
+        repetitions,
         stats,
         recorded_series,
     })
@@ -316,8 +395,10 @@ pub(crate) fn print_summary(o: &Outcome) {
         Some(p) => format!(" (paced: the recording's gaps / {p})"),
         None => String::new(),
     };
+    let reps = o.repetitions.len().max(1) as u64;
+    let last = if reps > 1 { format!(", the last of {reps} repetitions") } else { String::new() };
     println!(
-        "replayed {} events in {:.2} s{paced}: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
+        "replayed {} events in {:.2} s{paced}{last}: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
         r.events,
         r.wall.as_secs_f64(),
         r.allocs,
@@ -328,6 +409,7 @@ pub(crate) fn print_summary(o: &Outcome) {
     if let Some(e) = &r.first_error {
         println!("first failure: {e}");
     }
+    print_repetitions(&o.repetitions);
     println!();
     println!("  {:<34} {:>12}   / peak allocated", "", "peak");
     println!("  {:<34} {:>12}", "requested, as the trace records it", gib(rec.peak_requested));
@@ -356,7 +438,12 @@ pub(crate) fn print_summary(o: &Outcome) {
         us(o.free_us(0.99)),
         us(r.free_latency_ns.last().map(|n| *n as f64 / 1000.0)),
     );
-    let pct = |n: u64| if r.allocs == 0 { 0.0 } else { 100.0 * n as f64 / r.allocs as f64 };
+    // The allocator's counters cover every repetition, each of the same allocations.
+    let allocs = r.allocs * reps;
+    let pct = |n: u64| if allocs == 0 { 0.0 } else { 100.0 * n as f64 / allocs as f64 };
+    if reps > 1 {
+        print!("over all {reps} repetitions: ");
+    }
     println!(
         "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges, {} joins of neighbours) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
         s.cache_hits,
@@ -374,7 +461,8 @@ pub(crate) fn print_summary(o: &Outcome) {
     );
     println!("driver calls ({}): {}", s.driver_calls.total(), calls(s));
     println!(
-        "slowest allocs (driver calls it made | other threads' calls meanwhile; VMM time in µs):"
+        "slowest allocs{} (driver calls it made | other threads' calls meanwhile; VMM time in µs):",
+        if reps > 1 { " of the last repetition" } else { "" }
     );
     for a in &r.slowest {
         println!(
@@ -384,6 +472,37 @@ pub(crate) fn print_summary(o: &Outcome) {
             us(Some(a.ns as f64 / 1000.0)),
             calls_text(a.own_calls_made()),
             calls_text(a.others_calls_made()),
+        );
+    }
+}
+
+/// The `--repeat` table: one line a repetition.
+fn print_repetitions(reps: &[Repetition]) {
+    if reps.is_empty() {
+        return;
+    }
+    println!(
+        "repeated {} times through one allocator; below, the last repetition's latencies and \
+         the whole run's peaks",
+        reps.len()
+    );
+    println!(
+        "  {:>4} {:>7} {:>12} {:>10} {:>10} {:>11} {:>6} {:>9} {:>8} {:>7}",
+        "rep", "failed", "res/alc", "p50", "p99", "max", "maps", "handles", "creates", "unmaps"
+    );
+    for (i, r) in reps.iter().enumerate() {
+        println!(
+            "  {:>4} {:>7} {:>12.4} {:>10} {:>10} {:>11} {:>6} {:>9} {:>8} {:>7}",
+            i + 1,
+            r.failed_allocs,
+            r.ratio_so_far,
+            us(r.alloc_p50_us),
+            us(r.alloc_p99_us),
+            us(r.alloc_max_us),
+            r.request_maps,
+            r.request_mapped_handles,
+            r.created_chunks,
+            r.unmaps,
         );
     }
 }
@@ -442,5 +561,5 @@ pub(crate) fn command(
         std::fs::write(j, text + "\n").map_err(|e| format!("{}: {e}", j.display()))?;
         println!("json: {}", j.display());
     }
-    Ok(if o.report.failed_allocs > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+    Ok(if o.failed_allocs() > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }

@@ -114,6 +114,23 @@ fn replay_prints_the_figures_and_writes_json_and_a_plot() {
         serde_json::from_str(&std::fs::read_to_string(dir.0.join("paced.json")).unwrap()).unwrap();
     assert_eq!(json["replay"]["pace"], 0.5);
     assert!(json["replay"]["wall_s"].as_f64().unwrap() >= 144e-6, "72 µs at half speed");
+    // Repeated through one allocator: a line a repetition, and each in the JSON.
+    let args = ["replay", "t.csv", "--backend", "host", "--repeat", "3", "--json", "rep.json"];
+    let args = [&args[..], &["--conf", "background:false"]].concat();
+    let o = moonbright(&args, &dir.0);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("repeated 3 times through one allocator"), "{out}");
+    assert!(out.contains("the last of 3 repetitions: 3 allocs (0 failed)"), "{out}");
+    assert!(out.contains("over all 3 repetitions: cache hits"), "{out}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("rep.json")).unwrap()).unwrap();
+    let reps = json["replay"]["repetitions"].as_array().unwrap();
+    assert_eq!((reps.len(), json["replay"]["repeat"].as_u64()), (3, Some(3)));
+    assert!(reps[0]["request_maps"].as_u64().unwrap() > 0, "the first repetition maps");
+    assert_eq!(reps[2]["request_maps"], 0, "later ones are served by the cache");
+    let o = moonbright(&["replay", "t.csv", "--backend", "host", "--repeat", "0"], &dir.0);
+    assert!(!o.status.success() && text(&o).contains("--repeat must be 1 or more"));
     for bad in ["0", "-1", "inf"] {
         let pace = format!("--pace={bad}");
         let o = moonbright(&["replay", "t.csv", "--backend", "host", &pace], &dir.0);
@@ -143,6 +160,10 @@ fn replay_converts_and_reads_rmm_logs_and_fails_on_oom() {
     let out = text(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
     assert!(out.contains("(RmmCsv;") && out.contains("(1 failed)"), "{out}");
+    // Repeated, a failure in any repetition counts.
+    let args = ["replay", "rmm.csv", "--backend", "host", "--cap-gib", "0.005", "--repeat", "2"];
+    let o = moonbright(&args, &dir.0);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 
     let o = moonbright(&["replay", "missing.csv"], &dir.0);
     assert!(!o.status.success());
