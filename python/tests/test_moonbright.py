@@ -39,6 +39,10 @@ def test_parse_conf_values_and_errors():
     assert moonbright.parse_conf("reuse_addresses:false")["reuse_addresses"] is False
     assert o["peer_access"] is True
     assert moonbright.parse_conf("peer_access:off")["peer_access"] is False
+    assert o["near_fit"] == 0.125
+    assert moonbright.parse_conf("near_fit:0.25")["near_fit"] == 0.25
+    with pytest.raises(ValueError, match="near_fit"):
+        moonbright.parse_conf("near_fit:2")
     with pytest.raises(ValueError, match="cap_fraction") as e:
         moonbright.parse_conf("cap_fraction:2")
     assert "(0, 1]" in str(e.value)

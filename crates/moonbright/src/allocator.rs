@@ -238,6 +238,7 @@ impl Allocator {
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
             window_slab_pages: (options.prefetch_window_max / page).max(512),
             reuse_addresses: options.reuse_addresses,
+            near_fit_per_1024: (options.near_fit * 1024.0).round() as u64,
             defer_free_events: options.deferred_free_events,
         };
         let background = options.background;

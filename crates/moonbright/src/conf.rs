@@ -43,6 +43,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("prefetch_window_max", "bytes the background mapper keeps mapped at most; 0 turns it off"),
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
+    ("near_fit", "a fraction in [0, 1]: cached ranges this much larger than a request serve it whole"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("ipc", "true or false: chunks can be exported to other processes"),
     (
@@ -187,6 +188,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             opts.window_refill_pages = n;
         }
         "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "near_fit" => {
+            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
+            if !(0.0..=1.0).contains(&f) {
+                return Err(bad(name, v));
+            }
+            opts.near_fit = f;
+        }
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
@@ -362,6 +370,10 @@ mod tests {
         assert_eq!(o.unmap_batch_ranges, 3);
         assert_eq!(o.unmap_run_handles, 0);
         assert!(apply_pairs(Options::default(), [("unmap_run_handles", "-1")]).is_err());
+        assert_eq!(apply_pairs(Options::default(), [("near_fit", "0.5")]).unwrap().near_fit, 0.5);
+        for bad in ["-0.1", "1.5", "NaN", "half"] {
+            assert!(apply_pairs(Options::default(), [("near_fit", bad)]).is_err(), "{bad}");
+        }
         let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
         assert!(!o.reuse_addresses && Options::default().reuse_addresses);
         assert!(apply_pairs(Options::default(), [("reuse_addresses", "maybe")]).is_err());

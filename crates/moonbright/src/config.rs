@@ -97,6 +97,12 @@ pub struct Options {
     /// recycled ones kept a TLB-bound kernel beside the allocation churn at 1.00x instead of
     /// 1.05x (README, interference).
     pub reuse_addresses: bool,
+    /// A cached range at most this fraction larger than a request serves it whole, with no
+    /// driver call, when no cached range holds a run of exactly its pages (docs/design.md,
+    /// "Exact before near"). The extra pages stay with the allocation until it is freed, at
+    /// the peak too. Larger fractions map less often when steps of mixed sizes repeat, for
+    /// more memory held (README, "Over a longer run"); 0 serves only exact runs. 0 to 1.
+    pub near_fit: f64,
     /// For a process that keeps one allocator per GPU (the Python package): whether each GPU's
     /// allocator grants the other GPUs it allocates on access to its memory (copies between
     /// GPUs need it; each peer makes every new mapping's set access cost more). An `Allocator`
@@ -152,6 +158,7 @@ impl Default for Options {
             prefetch_window_max: GIB,
             window_refill_pages: 8,
             reuse_addresses: true,
+            near_fit: 0.125,
             peer_access: true,
             ipc: true,
             captures_announced: false,
@@ -218,6 +225,9 @@ impl Options {
                 return bad(name, format!("{b} is not a power of two of at most 64 GiB"));
             }
         }
+        if !(0.0..=1.0).contains(&self.near_fit) {
+            return bad("near_fit", format!("{} is not in [0, 1]", self.near_fit));
+        }
         if self.unmap_batch_ranges == 0 {
             return bad("unmap_batch_ranges", "must be at least 1".into());
         }
@@ -280,6 +290,8 @@ mod tests {
                 "largest_chunk_bytes",
                 Options { largest_chunk_bytes: 128 << 30, ..Default::default() },
             ),
+            ("near_fit", Options { near_fit: 1.5, ..Default::default() }),
+            ("near_fit", Options { near_fit: f64::NAN, ..Default::default() }),
             ("unmap_batch_ranges", Options { unmap_batch_ranges: 0, ..Default::default() }),
             ("unmap_batch_bytes", Options { unmap_batch_bytes: 0, ..Default::default() }),
             ("va_reserve_factor", Options { va_reserve_factor: 0, ..Default::default() }),

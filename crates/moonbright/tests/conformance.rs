@@ -1037,6 +1037,29 @@ fn an_exact_run_is_split_off_before_a_near_fit_is_taken_whole() {
     gives_everything_back(&a);
 }
 
+/// `near_fit` bounds the near fit: a cached range of 12 pages (three chunks of 4) serves a
+/// request of 9 pages whole only when 3 extra pages are within it (1/3 and more), and with 0
+/// nothing larger serves whole (the request steals the range and maps its chunks anew).
+#[test]
+fn near_fit_sets_how_much_larger_a_cached_range_may_serve_whole() {
+    for (near_fit, whole) in
+        [(0.0, false), (0.125, false), (0.25, false), (0.34, true), (1.0, true)]
+    {
+        let a = Allocator::new(Options { near_fit, ..host_options() }).unwrap();
+        let page = a.page_size() as u64;
+        let twelve = a.malloc((12 * page) as usize).unwrap();
+        a.free(twelve).unwrap();
+        let before = vmm(&a);
+        let nine = a.malloc((9 * page) as usize).unwrap();
+        assert_eq!(nine == twelve && vmm(&a) == before, whole, "near_fit {near_fit}");
+        let usable = if whole { 12 * page } else { 9 * page };
+        assert_eq!(a.usable_size(nine), Some(usable as usize), "near_fit {near_fit}");
+        a.check_invariants().unwrap();
+        a.free(nine).unwrap();
+        gives_everything_back(&a);
+    }
+}
+
 #[test]
 fn a_request_no_cached_range_holds_joins_cached_neighbours_with_no_driver_call() {
     let a = Allocator::new(host_options()).unwrap();

@@ -61,8 +61,8 @@ fn room_to_add(len: usize, cap: usize) -> Option<usize> {
     (cap.saturating_sub(len) < room / 2).then_some(room)
 }
 
-/// A cached range up to 1/8 larger than a request serves it as it is (no driver call).
-const NEAR_FIT_DIVISOR: u64 = 8;
+/// A whole window chunk up to 1/8 larger than a fresh request serves it (no driver call).
+const WINDOW_FIT_DIVISOR: u64 = 8;
 
 /// A run of chunks split off a cached range may hold up to 1/SPLIT_SLACK more than the request,
 /// where no run holds it exactly.
@@ -242,6 +242,9 @@ pub(crate) struct Limits {
     pub window_slab_pages: u64,
     /// New ranges go to recycled addresses before the frontier (`Options::reuse_addresses`).
     pub reuse_addresses: bool,
+    /// A cached range up to this many 1024ths larger than a request serves it whole
+    /// (`Options::near_fit`).
+    pub near_fit_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
     pub defer_free_events: bool,
@@ -522,8 +525,9 @@ impl Heap {
     /// A range of `pages` pages with no driver call, exact before near: one of exactly that size
     /// from the stream's own pending frees or the cache, the lowest address first; else a run of
     /// chunks of exactly that size split off a larger cached range (`split_cached`) or across
-    /// cached neighbours (`split_joined`); else the smallest cached range up to an eighth larger
-    /// (the extra pages stay with the allocation until it is freed, counted as rounding); else
+    /// cached neighbours (`split_joined`); else the smallest cached range up to `near_fit` larger
+    /// (an eighth by default; the extra pages stay with the allocation until it is freed,
+    /// counted as rounding); else
     /// a run up to `SPLIT_SLACK` larger split off a cached range; else the window. Lowest address
     /// first (not newest), so that the same requests in the same order get the same ranges back
     /// whether or not their frees have completed, as from PyTorch's allocator.
@@ -558,7 +562,7 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Ok(Some(id));
         }
-        let slack = pages / NEAR_FIT_DIVISOR;
+        let slack = pages * self.lim.near_fit_per_1024 / 1024;
         let near = self.cached_by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
         if let Some(&(_, _, seq)) = near {
             self.stats.cache_hits += 1;
@@ -568,7 +572,8 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Ok(Some(self.split_off(seq, start, end)));
         }
-        if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / NEAR_FIT_DIVISOR) {
+        if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
+        {
             self.stats.window_hits += 1;
             self.stats.window_bytes.sub(self.bytes(got));
             self.note_fresh(pages, got);
@@ -2456,6 +2461,7 @@ mod tests {
             unmap_batch_age: std::time::Duration::from_millis(50),
             window_slab_pages: 1,
             reuse_addresses: true,
+            near_fit_per_1024: 128,
             defer_free_events: false,
         };
         let mut h = Heap::new(lim);
