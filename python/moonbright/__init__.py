@@ -17,6 +17,7 @@ One allocator per CUDA device, process-wide, created at first use from the envir
 Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB GiB KB MB GB:
 ``cap:12GiB``), ``cap_fraction``, ``host_page_size``, ``host_capacity``, ``max_chunk``,
 ``large_chunk``, ``largest_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
+``near_fit`` (0 to 1: how much larger a cached range may be and still serve a request whole),
 ``peer_access`` (true|false), ``ipc`` (true|false: chunks can be sent to other processes,
 :mod:`moonbright.ipc`),
 ``validate`` (true|false).

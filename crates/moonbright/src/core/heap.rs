@@ -527,10 +527,10 @@ impl Heap {
     /// chunks of exactly that size split off a larger cached range (`split_cached`) or across
     /// cached neighbours (`split_joined`); else the smallest cached range up to `near_fit` larger
     /// (an eighth by default; the extra pages stay with the allocation until it is freed,
-    /// counted as rounding); else
-    /// a run up to `SPLIT_SLACK` larger split off a cached range; else the window. Lowest address
-    /// first (not newest), so that the same requests in the same order get the same ranges back
-    /// whether or not their frees have completed, as from PyTorch's allocator.
+    /// counted as rounding); else a run up to `SPLIT_SLACK` larger split off a cached range;
+    /// else the window. Lowest address first (not newest), so that the same requests in the
+    /// same order get the same ranges back whether or not their frees have completed, as from
+    /// PyTorch's allocator.
     ///
     /// Exact before near: extra pages held by live allocations are held at the peak too. With
     /// near fits before exact splits, ResNet-50's trace held 1.015 of its peak (host backend)
