@@ -16,9 +16,15 @@ It prints peak held over peak requested bytes, hits, maps and handles by class. 
 on the default sequence (docs/design.md, Known limits): with 64 MiB chunks about 1,000 of 4,556
 requests still map and held memory reaches 1.12-1.17x; with 2 MiB chunks memory stays at 1.012x
 but a miss maps hundreds of handles.
+
+``--trace T --repeat N`` replays a recorded trace (our CSV, ``shared/traces/``) N times instead,
+each pass's live blocks freed before the next, as ``moonbright replay --repeat N`` does: the maps
+of passes 2..N are those of N passes less those of one (session 31, docs/design.md, "Over
+repeated passes").
 """
 import argparse
 import csv
+import gzip
 import itertools
 
 PAGE = 2 << 20
@@ -186,16 +192,40 @@ class Model:
         return max((self.segs[s].blocks[st][0] for s, st in self.free_blocks), default=0)
 
 
+def trace_ops(path, repeat):
+    """A recorded trace's allocs and completed frees as (op, id, size), `repeat` times over, each
+    pass's blocks still live freed at its end (an address allocated again drops its old block)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+        rows = [(r["action"] == "alloc", int(r["addr"]), int(r["size"]))
+                for r in csv.DictReader(f) if r["action"] in ("alloc", "free_completed")]
+    ids = itertools.count(1)
+    for _ in range(repeat):
+        live = {}
+        for is_alloc, addr, size in rows:
+            if addr in live:  # its completed free, or its address allocated again without one
+                yield {"op": "f", "id": live.pop(addr), "size": 0}
+            if is_alloc:
+                live[addr] = next(ids)
+                yield {"op": "a", "id": live[addr], "size": size}
+        for key in live.values():
+            yield {"op": "f", "id": key, "size": 0}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("ops", help="CSV from `stress --dump-ops` (op,id,size)")
+    ap.add_argument("ops", nargs="?", help="CSV from `stress --dump-ops` (op,id,size)")
+    ap.add_argument("--trace", help="a recorded trace instead (our CSV, gzipped or not)")
+    ap.add_argument("--repeat", type=int, default=1, help="with --trace: passes over it")
     ap.add_argument("--max-chunk-pages", type=int, default=32)
     ap.add_argument("--window-pages", type=int, default=0)
     ap.add_argument("--budget", type=float, default=0.0, help="background handles per operation")
     a = ap.parse_args()
+    if (a.ops is None) == (a.trace is None):
+        ap.error("give an ops CSV or --trace")
+    ops = trace_ops(a.trace, a.repeat) if a.trace else csv.DictReader(open(a.ops))
     m = Model(a.max_chunk_pages)
     budget = 0.0
-    for op in csv.DictReader(open(a.ops)):
+    for op in ops:
         key = int(op["id"])
         budget = min(budget + a.budget, 64)
         if a.window_pages and budget >= 1 and m.largest_free() < a.window_pages:
