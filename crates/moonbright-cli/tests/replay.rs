@@ -131,6 +131,15 @@ fn replay_prints_the_figures_and_writes_json_and_a_plot() {
     assert_eq!(reps[2]["request_maps"], 0, "later ones are served by the cache");
     let o = moonbright(&["replay", "t.csv", "--backend", "host", "--repeat", "0"], &dir.0);
     assert!(!o.status.success() && text(&o).contains("--repeat must be 1 or more"));
+    // A trace that records no times cannot be paced.
+    let timed = small_trace();
+    let (header, rows) = timed.split_once('\n').unwrap();
+    let untimed: Vec<String> =
+        rows.lines().map(|l| l.rsplit_once(',').unwrap().0.to_string() + ",").collect();
+    std::fs::write(dir.0.join("untimed.csv"), format!("{header}\n{}\n", untimed.join("\n")))
+        .unwrap();
+    let o = moonbright(&["replay", "untimed.csv", "--backend", "host", "--pace", "1"], &dir.0);
+    assert!(!o.status.success() && text(&o).contains("records no times"), "{}", text(&o));
     for bad in ["0", "-1", "inf"] {
         let pace = format!("--pace={bad}");
         let o = moonbright(&["replay", "t.csv", "--backend", "host", &pace], &dir.0);
