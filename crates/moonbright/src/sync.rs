@@ -1,6 +1,7 @@
 //! The synchronisation primitives the crate uses, swapped for loom's under `cfg(loom)` so the
-//! model checker sees every atomic and lock (the crossbeam/tokio habit), and the two ways a
-//! thread waits for another's progress.
+//! model checker sees every atomic and lock (the crossbeam/tokio habit), the clock the
+//! allocator's policies read (batch ages, waits, demand), and the two ways a thread waits for
+//! another's progress.
 
 #[cfg(loom)]
 pub(crate) use loom::sync::{atomic, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
@@ -8,12 +9,85 @@ pub(crate) use loom::sync::{atomic, Condvar, Mutex, MutexGuard, RwLock, RwLockRe
 #[cfg(not(loom))]
 pub(crate) use std::sync::{atomic, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
+#[cfg(loom)]
+pub(crate) use model_clock::Instant;
+
+#[cfg(not(loom))]
+pub(crate) use std::time::Instant;
+
+/// Time under loom. Loom replays a model's run step by step and needs every run of a schedule
+/// to take the same branches, which real time does not give: an unmap batch that falls due by
+/// age (50 ms) in one run of a slow machine and not in its replay sends the checker off its
+/// recorded path (it panics inside loom). So a model's clock is logical: it starts at zero in
+/// each run and only `pause` moves it, by the time the pause stands for.
+#[cfg(loom)]
+mod model_clock {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    loom::lazy_static! {
+        /// The run's time, in nanoseconds (loom makes one per run; a std atomic, as loom runs
+        /// one thread at a time and the clock must not add branches of its own).
+        static ref NOW: AtomicU64 = AtomicU64::new(0);
+    }
+
+    /// An instant of the run's logical time.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+    pub(crate) struct Instant(u64);
+
+    impl Instant {
+        pub(crate) fn now() -> Self {
+            Instant(NOW.load(Ordering::Relaxed))
+        }
+
+        pub(crate) fn elapsed(&self) -> Duration {
+            Self::now().duration_since(*self)
+        }
+
+        pub(crate) fn duration_since(&self, earlier: Instant) -> Duration {
+            Duration::from_nanos(self.0.saturating_sub(earlier.0))
+        }
+    }
+
+    /// Moves the run's time on by `d`.
+    pub(super) fn advance(d: Duration) {
+        NOW.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    #[cfg(test)]
+    mod loom_model {
+        use super::super::pause;
+        use super::*;
+
+        /// Every run starts at zero whatever earlier runs paused, no work but a pause moves
+        /// the clock, and a pause on one thread moves it for all.
+        #[test]
+        fn each_run_starts_at_zero_and_only_pauses_move_the_clock() {
+            loom::model(|| {
+                let start = Instant::now();
+                assert_eq!(start, Instant(0), "the clock kept an earlier run's time");
+                let mut spin = 0u64;
+                for i in 0..10_000u64 {
+                    spin = spin.wrapping_add(std::hint::black_box(i));
+                }
+                std::hint::black_box(spin);
+                assert_eq!(start.elapsed(), Duration::ZERO);
+                let t = loom::thread::spawn(|| pause(Duration::from_micros(20)));
+                pause(Duration::from_micros(30));
+                t.join().unwrap();
+                assert_eq!(start.elapsed(), Duration::from_micros(50));
+                assert_eq!(Instant::now().duration_since(start), Duration::from_micros(50));
+            });
+        }
+    }
+}
+
 /// Lets other threads make progress for about `d` (a sleep; under loom, a yield, which is what
-/// lets the model checker run the thread being waited for).
+/// lets the model checker run the thread being waited for, and `d` of the model's time).
 pub(crate) fn pause(d: std::time::Duration) {
     #[cfg(loom)]
     {
-        let _ = d;
+        model_clock::advance(d);
         loom::thread::yield_now();
     }
     #[cfg(not(loom))]

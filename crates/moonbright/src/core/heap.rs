@@ -331,7 +331,7 @@ pub(crate) struct Heap {
     /// window chunks by).
     fresh_largest: u64,
     /// When a request last finished mapping a range itself (the mapper keeps out of its way).
-    last_request_map: Option<std::time::Instant>,
+    last_request_map: Option<crate::sync::Instant>,
     /// Events the background worker created ahead of need, for frees on any stream that has no
     /// spare event of its own, so that a burst of frees records events without creating them.
     event_stock: Vec<EventHandle>,
@@ -472,7 +472,7 @@ impl Heap {
 
     /// Starts recording up to `max` events (dropping the oldest), or stops with `None`.
     pub fn set_history(&mut self, max: Option<usize>) {
-        self.history = max.map(|m| History::new(m, std::time::Instant::now()));
+        self.history = max.map(|m| History::new(m, crate::sync::Instant::now()));
     }
 
     /// The events recorded so far.
@@ -595,7 +595,7 @@ impl Heap {
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
         let pages = self.range(id).pages;
         self.note_fresh(pages, pages);
-        self.last_request_map = Some(std::time::Instant::now());
+        self.last_request_map = Some(crate::sync::Instant::now());
         if arena {
             self.start_arena(id, size, stream)
         } else {

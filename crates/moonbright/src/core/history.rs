@@ -1,8 +1,8 @@
 //! Allocation history and the segment snapshot: what PyTorch's memory viewer reads
 //! (`device_traces` and `segments`), recorded by the heap when switched on, in a bounded ring.
 
+use crate::sync::Instant;
 use std::collections::VecDeque;
-use std::time::Instant;
 
 use super::streams::NO_STREAM;
 

@@ -48,7 +48,7 @@ pub(crate) struct VaSpace {
     retired: VecDeque<Retired>,
     retired_bytes: u64,
     /// When the retired queue last went from empty to non-empty (the age of the batch).
-    retired_since: Option<std::time::Instant>,
+    retired_since: Option<crate::sync::Instant>,
 }
 
 impl VaSpace {
@@ -194,7 +194,7 @@ impl VaSpace {
 
     pub fn retire(&mut self, r: Retired) {
         if self.retired.is_empty() {
-            self.retired_since = Some(std::time::Instant::now());
+            self.retired_since = Some(crate::sync::Instant::now());
         }
         self.retired_bytes += r.len;
         self.retired.push_back(r);

@@ -897,10 +897,10 @@ impl Driver for HostDriver {
         // Nothing runs on the host model, so a held stream finishes only when a test ends the
         // hold: wait as long as `wait_on_held_streams` allows (by default not at all), then
         // refuse rather than hang.
-        let (limit, start) = (self.lock().sync_wait, std::time::Instant::now());
+        let (limit, start) = (self.lock().sync_wait, crate::sync::Instant::now());
         let mut done = self.event_done(event);
         while matches!(done, Ok(false)) && start.elapsed() < limit {
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            crate::sync::pause(std::time::Duration::from_millis(1));
             done = self.event_done(event);
         }
         match done {

@@ -35,7 +35,7 @@ impl Shared {
         }
         let s = stream.map(|s| s.0);
         let mut waited = false;
-        let start = std::time::Instant::now();
+        let start = crate::sync::Instant::now();
         while start.elapsed() < MAX_WAIT {
             let step = {
                 let mut heap = self.heap();
@@ -78,7 +78,7 @@ impl Shared {
 
     /// Releases the growable allocation at `ptr`, ordered on `stream` as `free_async` is.
     pub fn release_growable(&self, ptr: DevicePtr, stream: Option<u64>) -> Result<()> {
-        let start = std::time::Instant::now();
+        let start = crate::sync::Instant::now();
         while start.elapsed() < MAX_WAIT {
             let step = {
                 let mut heap = self.heap();

@@ -32,7 +32,7 @@ const GIVE_WAY_MAX: std::time::Duration = std::time::Duration::from_millis(2);
 struct Waits {
     /// When its plan first came back with anything but a map (a flush, a wait, a
     /// reservation): the clock is read only then, not for the common plan that maps at once.
-    start: Option<std::time::Instant>,
+    start: Option<crate::sync::Instant>,
     /// Whether it has polled the recorded events.
     polled: bool,
     /// Whether it has waited for every stream's pending frees (once at most).
@@ -46,7 +46,7 @@ impl Waits {
 
     /// Starts the clock, if it has not started yet.
     fn waiting(&mut self) {
-        self.start.get_or_insert_with(std::time::Instant::now);
+        self.start.get_or_insert_with(crate::sync::Instant::now);
     }
 
     /// Whether it has waited `MAX_WAIT` since the clock started.
@@ -752,7 +752,7 @@ impl Shared {
         if self.record_missing_events() {
             // Frees that left their events to the worker (`deferred_free_events`): on an idle
             // stream the events just recorded complete within microseconds; give them that long.
-            let start = std::time::Instant::now();
+            let start = crate::sync::Instant::now();
             while !self.poll_events() && start.elapsed() < RECORDED_JUST_NOW {
                 pause(WAIT_STEP);
             }
@@ -762,7 +762,7 @@ impl Shared {
         self.flush()?;
         // The worker may hold some of those ranges in an unmap batch of its own: let it land
         // (it takes milliseconds), so that their chunks are released here too.
-        let start = std::time::Instant::now();
+        let start = crate::sync::Instant::now();
         while self.heap().unmaps_in_flight() && start.elapsed() < MAX_WAIT {
             pause(WAIT_STEP);
         }
