@@ -898,9 +898,10 @@ fn frees_that_only_wait_for_events_get_the_worker_every_2_ms() {
         }
         std::thread::sleep(Duration::from_micros(50));
     }
+    // A loaded machine may not have run the worker yet.
+    eventually("the worker's event record for the pending frees", || records() > r0);
     let made = records() - r0;
     let passes = t.elapsed().as_micros() as u64 / 2000 + 2;
-    assert!(made >= 1, "the worker recorded no event for the pending frees");
     assert!(made <= passes, "{made} event records in {:?}: the worker ticked faster", t.elapsed());
     host(&a).release_stream(s);
     a.check_invariants().unwrap();
