@@ -60,10 +60,16 @@ mod model_clock {
         use super::*;
 
         /// Every run starts at zero whatever earlier runs paused, no work but a pause moves
-        /// the clock, and a pause on one thread moves it for all.
+        /// the clock, and a pause on one thread moves it for all. The two threads touch one
+        /// atomic, so that loom runs the model in both orders (a model with nothing shared runs
+        /// once, and would not show the clock kept from run to run).
         #[test]
         fn each_run_starts_at_zero_and_only_pauses_move_the_clock() {
+            use loom::sync::atomic::AtomicUsize;
+            use std::sync::Arc;
+            static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
             loom::model(|| {
+                RUNS.fetch_add(1, Ordering::Relaxed);
                 let start = Instant::now();
                 assert_eq!(start, Instant(0), "the clock kept an earlier run's time");
                 let mut spin = 0u64;
@@ -72,12 +78,21 @@ mod model_clock {
                 }
                 std::hint::black_box(spin);
                 assert_eq!(start.elapsed(), Duration::ZERO);
-                let t = loom::thread::spawn(|| pause(Duration::from_micros(20)));
+                let turns = Arc::new(AtomicUsize::new(0));
+                let t = {
+                    let turns = turns.clone();
+                    loom::thread::spawn(move || {
+                        turns.fetch_add(1, Ordering::SeqCst);
+                        pause(Duration::from_micros(20));
+                    })
+                };
+                turns.fetch_add(1, Ordering::SeqCst);
                 pause(Duration::from_micros(30));
                 t.join().unwrap();
                 assert_eq!(start.elapsed(), Duration::from_micros(50));
                 assert_eq!(Instant::now().duration_since(start), Duration::from_micros(50));
             });
+            assert!(RUNS.load(Ordering::Relaxed) > 1, "loom ran the model once");
         }
     }
 }
