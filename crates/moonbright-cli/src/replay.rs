@@ -189,6 +189,8 @@ impl Outcome {
                 "reserved_over_allocated": self.ratio(),
                 "cache_hits": s.cache_hits,
                 "subpage_allocations": s.subpage_allocations,
+                "carved_allocations": s.carved_allocations,
+                "carved_arenas": s.carved_arenas,
                 "cached_ranges_stolen": s.cached_ranges_stolen,
                 "cached_ranges_split": s.cached_ranges_split,
                 "cached_ranges_joined": s.cached_ranges_joined,
@@ -445,11 +447,13 @@ pub(crate) fn print_summary(o: &Outcome) {
         print!("over all {reps} repetitions: ");
     }
     println!(
-        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges, {} joins of neighbours) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
+        "cache hits {} ({:.1}% of allocs; {} split off larger cached ranges, {} joins of neighbours, {} carved out of {} ranges) | sub-page allocs {} ({:.1}%) | cached ranges stolen {} | chunk splits {} ({} waited for unmaps, {} of them only their chunk's) | unmap batches {} | OOMs {}",
         s.cache_hits,
         pct(s.cache_hits),
         s.cached_ranges_split,
         s.cached_ranges_joined,
+        s.carved_allocations,
+        s.carved_arenas,
         s.subpage_allocations,
         pct(s.subpage_allocations),
         s.cached_ranges_stolen,

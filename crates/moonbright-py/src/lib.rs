@@ -434,6 +434,8 @@ fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i64> {
         ("request_maps", s.request_maps),
         ("request_mapped_handles", s.request_mapped_handles),
         ("subpage_allocations", s.subpage_allocations),
+        ("carved_allocations", s.carved_allocations),
+        ("carved_arenas", s.carved_arenas),
         ("cached_ranges_stolen", s.cached_ranges_stolen),
         ("cached_ranges_split", s.cached_ranges_split),
         ("cached_ranges_joined", s.cached_ranges_joined),

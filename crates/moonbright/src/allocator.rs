@@ -239,6 +239,7 @@ impl Allocator {
             window_slab_pages: (options.prefetch_window_max / page).max(512),
             reuse_addresses: options.reuse_addresses,
             near_fit_per_1024: (options.near_fit * 1024.0).round() as u64,
+            carve_per_1024: (options.carve * 1024.0).round() as u64,
             defer_free_events: options.deferred_free_events,
         };
         let background = options.background;

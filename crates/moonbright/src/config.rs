@@ -103,6 +103,14 @@ pub struct Options {
     /// the peak too. Larger fractions map less often when steps of mixed sizes repeat, for
     /// more memory held (README, "Over a longer run"); 0 serves only exact runs. 0 to 1.
     pub near_fit: f64,
+    /// Carve cached ranges: a request of a page or more that no cached range holds exactly
+    /// takes its pages out of the smallest larger cached range, whose other pages then serve
+    /// later requests of a page or more, page-granular, with no driver call (docs/design.md,
+    /// "Carved arenas"); the range comes back whole once none of its pages is in use. Carving
+    /// starts only while the pages carved ranges leave unused stay within this fraction of the
+    /// bytes in use: they cannot be stolen for other ranges, so they count as held memory.
+    /// 0 turns carving off. 0 to 1.
+    pub carve: f64,
     /// For a process that keeps one allocator per GPU (the Python package): whether each GPU's
     /// allocator grants the other GPUs it allocates on access to its memory (copies between
     /// GPUs need it; each peer makes every new mapping's set access cost more). An `Allocator`
@@ -159,6 +167,7 @@ impl Default for Options {
             window_refill_pages: 8,
             reuse_addresses: true,
             near_fit: 0.125,
+            carve: 0.0,
             peer_access: true,
             ipc: true,
             captures_announced: false,
@@ -227,6 +236,9 @@ impl Options {
         }
         if !(0.0..=1.0).contains(&self.near_fit) {
             return bad("near_fit", format!("{} is not in [0, 1]", self.near_fit));
+        }
+        if !(0.0..=1.0).contains(&self.carve) {
+            return bad("carve", format!("{} is not in [0, 1]", self.carve));
         }
         if self.unmap_batch_ranges == 0 {
             return bad("unmap_batch_ranges", "must be at least 1".into());

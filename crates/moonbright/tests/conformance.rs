@@ -410,6 +410,8 @@ fn large_needs_use_large_chunks(opts: Options) {
         cap_fraction: 1.0,
         prefetch_window_min: 0,
         prefetch_window_max: 0,
+        // Carving would serve the small request out of the freed large chunk where it is.
+        carve: 0.0,
         ..opts
     };
     let a = Allocator::new(o).unwrap();
@@ -606,6 +608,8 @@ fn large_needs_take_power_of_two_chunks(opts: Options) {
         cap_fraction: 1.0,
         prefetch_window_min: 0,
         prefetch_window_max: 0,
+        // The splits are the subject; carving would serve the requests without them.
+        carve: 0.0,
         ..opts
     };
     let a = Allocator::new(o).unwrap();
@@ -871,6 +875,10 @@ suite!(host_background, Some(host_background_options()));
 suite!(host_deferred, Some(host_deferred_options()));
 suite!(cuda, cuda_options());
 suite!(cuda_deferred, cuda_deferred_options());
+// Carving on, with room for it to run often: ranges of chunks cut page-granular.
+suite!(host_carve, Some(Options { carve: 1.0, ..host_options() }));
+suite!(host_carve_deferred, Some(Options { carve: 1.0, ..host_deferred_options() }));
+suite!(cuda_carve, cuda_options().map(|o| Options { carve: 1.0, ..o }));
 
 #[test]
 fn history_and_segments_describe_what_happened() {
@@ -1253,5 +1261,93 @@ fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
     random_mix_keeps_contents(&a, 7, 2000);
     assert!(a.stats().cached_ranges_split > 0, "the churn split cached ranges");
     assert!(a.stats().cached_ranges_joined > 0, "the churn joined cached neighbours");
+    gives_everything_back(&a);
+}
+
+/// Carving (`Options::carve`): a request that no cached range holds exactly takes its pages out
+/// of the smallest larger cached range where it is mapped, and the range's other pages serve
+/// later requests of any size a page or more, page-granular; all with no driver call. Freed,
+/// the pieces join again, and the range comes back to the cache whole.
+#[test]
+fn carving_cuts_a_cached_range_page_granular_with_no_driver_call() {
+    let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();
+    let page = a.page_size() as u64;
+    // Nine pages in use, so that carving may leave as many unused (`carve` 1.0).
+    let keep = a.malloc((9 * page) as usize).unwrap();
+    // Twelve pages: three chunks of four, mapped back to back.
+    let twelve = a.malloc((12 * page) as usize).unwrap();
+    a.write(twelve + 5 * page, &[7; 64]).unwrap();
+    a.free(twelve).unwrap();
+    let before = vmm(&a);
+    // Three pages: no run of chunks holds them (near fit and split need 4), so they are carved.
+    let three = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(a.usable_size(three), Some((3 * page) as usize), "no page beyond the request");
+    // Five pages, then four: out of what is left, across the chunks' seams.
+    let five = a.malloc((5 * page) as usize).unwrap();
+    let four = a.malloc((4 * page) as usize).unwrap();
+    assert_eq!(vmm(&a), before, "no driver call: every page was mapped there already");
+    let s = a.stats();
+    assert_eq!((s.carved_arenas, s.carved_allocations), (1, 3));
+    let mut spans = [(three, 3 * page), (five, 5 * page), (four, 4 * page)];
+    spans.sort();
+    assert_eq!(spans[0].0, twelve, "the three allocations tile the twelve pages");
+    for w in spans.windows(2) {
+        assert_eq!(w[0].0 + w[0].1, w[1].0);
+    }
+    // The same memory: the byte written before is where it was.
+    let mut b = [0u8; 64];
+    a.read(twelve + 5 * page, &mut b).unwrap();
+    assert_eq!(b, [7; 64]);
+    let seg = a.segments().into_iter().find(|s| s.addr == twelve).unwrap();
+    assert_eq!((seg.kind, seg.size, seg.chunks), ("arena", 12 * page, 3));
+    a.check_invariants().unwrap();
+    // Interior pointers and double frees are refused as anywhere else.
+    assert!(matches!(a.free(five + page), Err(Error::InteriorPointer { .. })));
+    a.free(five).unwrap();
+    assert!(matches!(a.free(five), Err(Error::DoubleFree { .. })));
+    // Five pages again: the hole they left, at once.
+    assert_eq!(a.malloc((5 * page) as usize).unwrap(), five);
+    a.free(five).unwrap();
+    a.free(three).unwrap();
+    a.free(four).unwrap();
+    // Empty: the whole range is cached again, and serves twelve pages as an exact hit.
+    let seg = a.segments().into_iter().find(|s| s.addr == twelve).unwrap();
+    assert_eq!((seg.kind, seg.size), ("cached", 12 * page));
+    assert_eq!(a.malloc((12 * page) as usize).unwrap(), twelve);
+    assert_eq!(vmm(&a), before);
+    a.check_invariants().unwrap();
+    a.free(twelve).unwrap();
+    a.free(keep).unwrap();
+    gives_everything_back(&a);
+}
+
+/// Carving starts only while the carved ranges' unused pages stay within `carve` of the bytes
+/// in use; off (0) it never starts, and the request maps as it did before.
+#[test]
+fn carving_keeps_its_unused_pages_within_the_budget() {
+    for (carve, carved) in [(0.0, false), (0.25, false), (2.0 / 3.0, false), (0.75, true)] {
+        let a = Allocator::new(Options { carve, ..host_options() }).unwrap();
+        let page = a.page_size() as u64;
+        let keep = a.malloc((9 * page) as usize).unwrap();
+        let twelve = a.malloc((12 * page) as usize).unwrap();
+        a.free(twelve).unwrap();
+        let before = vmm(&a);
+        let three = a.malloc((3 * page) as usize).unwrap();
+        // Carved, 9 pages unused against 12 in use: a budget of 3/4 allows it, 2/3 does not.
+        assert_eq!(a.stats().carved_arenas == 1, carved, "carve {carve}");
+        assert_eq!(vmm(&a) == before, carved, "carve {carve}: a driver call unless carved");
+        a.check_invariants().unwrap();
+        a.free(three).unwrap();
+        a.free(keep).unwrap();
+        gives_everything_back(&a);
+    }
+}
+
+#[test]
+fn a_churn_of_mixed_sizes_with_carving_keeps_every_byte() {
+    let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();
+    random_mix_keeps_contents(&a, 7, 2000);
+    let s = a.stats();
+    assert!(s.carved_arenas > 0 && s.carved_allocations > s.carved_arenas, "the churn carved");
     gives_everything_back(&a);
 }

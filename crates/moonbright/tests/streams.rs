@@ -926,3 +926,34 @@ fn deferred_free_events_come_from_the_worker_and_release_unused() {
     b.release_unused().unwrap();
     assert_eq!(b.stats().reserved_bytes.current, 0, "release_unused left a deferred free's memory");
 }
+
+/// Carved blocks (`Options::carve`) follow the stream order of sub-page blocks: a block freed
+/// on a stream is its alone until the free completes, when every stream may take it.
+#[test]
+fn carved_blocks_follow_the_same_order() {
+    let a = Allocator::new(Options { carve: 1.0, ..opts(false) }).unwrap();
+    let s = streams(&a, 2);
+    let keep = a.malloc(8 * PAGE).unwrap();
+    let eight = a.malloc(8 * PAGE).unwrap();
+    a.free(eight).unwrap();
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    let q = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    assert_eq!(a.stats().carved_allocations, 2, "both carved out of the cached eight pages");
+    a.free_async(p, s[0]).unwrap();
+    let maps = a.stats().driver_calls.get(CallKind::Map);
+    let r = a.malloc_async(3 * PAGE, s[1]).unwrap();
+    assert_ne!(r, p, "s1 got the block s0 freed before the free completed");
+    assert_eq!(a.malloc_async(3 * PAGE, s[0]).unwrap(), p, "the freeing stream reuses it");
+    assert_eq!(a.stats().driver_calls.get(CallKind::Map), maps + 1, "only s1's request mapped");
+    a.free_async(p, s[0]).unwrap();
+    host(&a).release_stream(s[0]);
+    a.poll();
+    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p, "completed: s1 takes it");
+    a.check_invariants().unwrap();
+    for x in [p, q, r, keep] {
+        a.free(x).unwrap();
+    }
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().allocations.current, 0);
+}

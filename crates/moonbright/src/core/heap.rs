@@ -71,6 +71,9 @@ const SPLIT_SLACK: u64 = 64;
 /// A run of chunks in a cached range: (its cache sequence number, first chunk, one past the last).
 type CachedRun = (u64, usize, usize);
 
+/// A carved arena's largest size: the sub-page allocator's extents keep lengths in 32 bits.
+const CARVED_ARENA_LIMIT: u64 = 1 << 31;
+
 /// Cached ranges, smallest first, that a request looks into for a run of chunks to split off,
 /// and the chunks it looks at in all: a miss that then maps anyway pays for the search under
 /// the heap lock, so the search is bounded (a few microseconds).
@@ -245,6 +248,9 @@ pub(crate) struct Limits {
     /// A cached range up to this many 1024ths larger than a request serves it whole
     /// (`Options::near_fit`).
     pub near_fit_per_1024: u64,
+    /// Carved arenas may leave this many 1024ths of the bytes in use unused (`Options::carve`;
+    /// 0: no carving).
+    pub carve_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
     pub defer_free_events: bool,
@@ -271,6 +277,13 @@ pub(crate) enum Step {
     OutOfMemory(Error),
 }
 
+/// What `Heap::take_exact` found: a range, or the near run (a cached range's seq, and the
+/// run's first and last chunk) its search found for `take_near`.
+enum Taken {
+    Range(RangeId),
+    Missed { near_run: Option<CachedRun> },
+}
+
 /// The outcome of a fast-path attempt.
 #[derive(Debug)]
 pub(crate) enum Fast {
@@ -286,6 +299,11 @@ pub(crate) struct Heap {
     pool: Pool,
     va: VaSpace,
     sub: SubPage,
+    /// Carved arenas: cached ranges of two pages or more cut page-granular into allocations of
+    /// a page or more (`Options::carve`), by the same best fit and stream holds as `sub`. A
+    /// sub-page arena is one page, a carved one at least two: the range's size says which
+    /// allocator owns an arena.
+    carved: SubPage,
     streams: Streams,
     window: Window,
     /// The address slab the window grows in: (next, end).
@@ -355,6 +373,7 @@ impl Heap {
             pool: Pool::default(),
             va: VaSpace::new(lim.reuse_addresses),
             sub: SubPage::default(),
+            carved: SubPage::default(),
             streams: Streams::default(),
             window: Window::new(lim.page),
             window_slab: (0, 0),
@@ -516,10 +535,60 @@ impl Heap {
             });
         }
         let pages = size.div_ceil(self.lim.page);
-        Ok(match self.take_range_fast(pages, stream)? {
-            Some(id) => Fast::Done(self.finish_range(id, size, stream)),
-            None => Fast::NeedRange { pages, arena: false },
-        })
+        if let Some(ptr) = self.take_carved(size, pages, stream) {
+            return Ok(Fast::Done(ptr));
+        }
+        let near_run = match self.take_exact(pages, stream) {
+            Taken::Range(id) => return Ok(Fast::Done(self.finish_range(id, size, stream))),
+            Taken::Missed { near_run } => near_run,
+        };
+        if let Some(id) = self.take_near(pages, near_run) {
+            return Ok(Fast::Done(self.finish_range(id, size, stream)));
+        }
+        if let Some(ptr) = self.start_carving(size, pages, stream) {
+            return Ok(Fast::Done(ptr));
+        }
+        Ok(Fast::NeedRange { pages, arena: false })
+    }
+
+    /// A block of `pages` pages from a carved arena (`Options::carve`), by best fit over their
+    /// free extents that `stream` may take.
+    fn take_carved(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
+        if self.lim.carve_per_1024 == 0 {
+            return None;
+        }
+        let (arena, offset) = self.carved.alloc(self.bytes(pages), stream)?;
+        let ptr = self.range(arena).va + offset;
+        self.stats.carved_allocations += 1;
+        self.stats.cache_hits += 1;
+        self.finish_live(ptr, size, self.bytes(pages), stream, Backing::Sub { arena, offset });
+        Some(ptr)
+    }
+
+    /// Turns the smallest cached range larger than `pages` (below `CARVED_ARENA_LIMIT`) into a
+    /// carved arena and serves the request out of it, if the carved arenas' unused pages then
+    /// stay within `carve_per_1024` of the bytes in use.
+    fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
+        if self.lim.carve_per_1024 == 0 {
+            return None;
+        }
+        let most = CARVED_ARENA_LIMIT / self.lim.page;
+        if most <= pages {
+            return None;
+        }
+        let &(got, _, seq) =
+            self.cached_by_size.range((pages + 1, 0, 0)..(most + 1, 0, 0)).next()?;
+        let unused = self.carved.free_bytes() + self.bytes(got - pages);
+        let in_use = self.stats.active_bytes.current + self.bytes(pages);
+        if unused > in_use / 1024 * self.lim.carve_per_1024 {
+            return None;
+        }
+        let id = self.uncache(seq);
+        self.stats.carved_arenas += 1;
+        self.range_mut(id).use_ = Use::Arena;
+        let len = self.bytes(self.range(id).pages);
+        self.carved.add_arena(id, len);
+        self.take_carved(size, pages, stream)
     }
 
     /// A range of `pages` pages with no driver call, exact before near: one of exactly that size
@@ -537,6 +606,16 @@ impl Heap {
     /// against 1.010 now, its page-rounding floor plus its arenas' spare room (design.md,
     /// "Exact before near").
     fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
+        Ok(match self.take_exact(pages, stream) {
+            Taken::Range(id) => Some(id),
+            Taken::Missed { near_run } => self.take_near(pages, near_run),
+        })
+    }
+
+    /// The exact half of `take_range_fast`: the stream's own pending frees, the cache, a run
+    /// split off a cached range or across cached neighbours. A miss hands on the near run its
+    /// search found, for `take_near`.
+    fn take_exact(&mut self, pages: u64, stream: u64) -> Taken {
         let exact =
             self.cached_by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
         let own = self.streams.get_mut(stream).and_then(|f| {
@@ -550,36 +629,42 @@ impl Heap {
                 self.note(HistoryAction::FreeCompleted, r.va, self.bytes(pages), stream);
             }
             self.stats.cache_hits += 1;
-            return Ok(Some(id));
+            return Taken::Range(id);
         }
         if let Some((_, _, seq)) = exact {
             self.stats.cache_hits += 1;
-            return Ok(Some(self.uncache(seq)));
+            return Taken::Range(self.uncache(seq));
         }
         let (exact_run, near_run) = self.split_cached(pages);
         let exact_run = exact_run.map(|(seq, start, end)| self.split_off(seq, start, end));
         if let Some(id) = exact_run.or_else(|| self.split_joined(pages)) {
             self.stats.cache_hits += 1;
-            return Ok(Some(id));
+            return Taken::Range(id);
         }
+        Taken::Missed { near_run }
+    }
+
+    /// The near half of `take_range_fast`: a cached range up to `near_fit` larger, whole; a
+    /// run up to `SPLIT_SLACK` larger split off a cached range; the window.
+    fn take_near(&mut self, pages: u64, near_run: Option<CachedRun>) -> Option<RangeId> {
         let slack = pages * self.lim.near_fit_per_1024 / 1024;
         let near = self.cached_by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
         if let Some(&(_, _, seq)) = near {
             self.stats.cache_hits += 1;
-            return Ok(Some(self.uncache(seq)));
+            return Some(self.uncache(seq));
         }
         if let Some((seq, start, end)) = near_run {
             self.stats.cache_hits += 1;
-            return Ok(Some(self.split_off(seq, start, end)));
+            return Some(self.split_off(seq, start, end));
         }
         if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
         {
             self.stats.window_hits += 1;
             self.stats.window_bytes.sub(self.bytes(got));
             self.note_fresh(pages, got);
-            return Ok(Some(self.add_range(va, got, chunks, Use::Alloc)));
+            return Some(self.add_range(va, got, chunks, Use::Alloc));
         }
-        Ok(None)
+        None
     }
 
     /// Counts a request's own synchronous map (attempted, whether or not it succeeded).
@@ -630,7 +715,7 @@ impl Heap {
     }
 
     fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
-        if matches!(backing, Backing::Sub { .. }) {
+        if matches!(backing, Backing::Sub { arena, .. } if self.range(arena).pages == 1) {
             self.stats.subpage_allocations += 1;
         }
         self.count(size, rounded);
@@ -817,7 +902,8 @@ impl Heap {
                 // (`SubPage`): as PyTorch's allocator, the history shows the free complete now.
                 Pending::Block { ptr, arena, offset, rounded } => {
                     let epoch = self.streams.hold(stream);
-                    self.sub.free(arena, offset, Owner::Held { stream, epoch });
+                    // An arena this empties goes back when `settle` opens its space.
+                    self.arenas_of(arena).free(arena, offset, Owner::Held { stream, epoch });
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
                     epoch
                 }
@@ -957,7 +1043,8 @@ impl Heap {
         });
         // Sub-page blocks it freed become free for every stream.
         if let Some(upto) = f.done_epoch() {
-            for e in self.sub.settle(stream, upto) {
+            let emptied = self.sub.settle(stream, upto);
+            for e in emptied.into_iter().chain(self.carved.settle(stream, upto)) {
                 self.arena_emptied(e);
             }
         }
@@ -1001,17 +1088,26 @@ impl Heap {
         match backing {
             Backing::Range(id) => self.cache_range(id),
             Backing::Sub { arena, offset } => {
-                if let Some(e) = self.sub.free(arena, offset, Owner::Open) {
+                if let Some(e) = self.arenas_of(arena).free(arena, offset, Owner::Open) {
                     self.arena_emptied(e);
                 }
             }
         }
     }
 
+    /// The allocator that owns arena `id`: a sub-page arena is one page, a carved one more.
+    fn arenas_of(&mut self, id: RangeId) -> &mut SubPage {
+        if self.range(id).pages == 1 {
+            &mut self.sub
+        } else {
+            &mut self.carved
+        }
+    }
+
     /// Takes back an arena with no block in use: cached, or pending for the stream that still
     /// holds its space, until the epoch it holds it for (a freed range's way back to it).
     fn arena_emptied(&mut self, e: Emptied) {
-        self.sub.remove_arena(e.arena);
+        self.arenas_of(e.arena).remove_arena(e.arena);
         match e.held {
             None => self.cache_range(e.arena),
             Some((stream, epoch)) => {
@@ -1032,7 +1128,8 @@ impl Heap {
                         return Error::InteriorPointer { ptr, base: r.va, offset: ptr - r.va };
                     }
                     Use::Arena => {
-                        if let Some((off, _)) = self.sub.block_containing(id, ptr - r.va) {
+                        let arenas = if r.pages == 1 { &self.sub } else { &self.carved };
+                        if let Some((off, _)) = arenas.block_containing(id, ptr - r.va) {
                             let base = r.va + off;
                             if base != ptr {
                                 return Error::InteriorPointer { ptr, base, offset: ptr - base };
@@ -1066,7 +1163,12 @@ impl Heap {
     /// waited for came back), as arena space is found by nothing else; else out of memory.
     fn short_of(&self, requested: u64, short: u64, stream: u64) -> Step {
         let rounded = requested.next_multiple_of(SUBPAGE_ALIGN);
-        let arena_fits = requested < self.lim.page && self.sub.fits(rounded, stream);
+        let arena_fits = if requested < self.lim.page {
+            self.sub.fits(rounded, stream)
+        } else {
+            self.lim.carve_per_1024 > 0
+                && self.carved.fits(requested.next_multiple_of(self.lim.page), stream)
+        };
         if self.has_inflight() || arena_fits {
             Step::Wait
         } else {
@@ -2177,6 +2279,7 @@ impl Heap {
     pub fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         self.sub.check()?;
+        self.carved.check()?;
         let page = self.lim.page;
         // Each chunk is in exactly one place: a live, pending or cached range, the window, a plan
         // in flight, or bare. Its mapping count is the number of ranges (any, retired included)
@@ -2186,7 +2289,8 @@ impl Heap {
         let mut spans: Vec<(u64, u64, &str)> = Vec::new();
         let mut cached = 0;
         let mut cached_pages = 0;
-        let arenas: std::collections::HashSet<RangeId> = self.sub.arena_ids().collect();
+        let small: std::collections::HashSet<RangeId> = self.sub.arena_ids().collect();
+        let carved: std::collections::HashSet<RangeId> = self.carved.arena_ids().collect();
         for (id, r) in
             self.ranges.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
         {
@@ -2214,8 +2318,16 @@ impl Heap {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
             }
+            let arenas = if r.pages == 1 { &small } else { &carved };
             if r.use_ == Use::Arena && !arenas.contains(&(id as RangeId)) {
                 return Err(format!("arena range {id} unknown to the sub-page allocator"));
+            }
+            if r.use_ != Use::Arena
+                && (small.contains(&(id as RangeId)) || carved.contains(&(id as RangeId)))
+            {
+                return Err(format!(
+                    "range {id} is an arena of the sub-page allocator, not in use as one"
+                ));
             }
             spans.push((r.va, r.pages * page, "range"));
         }
@@ -2462,6 +2574,7 @@ mod tests {
             window_slab_pages: 1,
             reuse_addresses: true,
             near_fit_per_1024: 128,
+            carve_per_1024: 0,
             defer_free_events: false,
         };
         let mut h = Heap::new(lim);

@@ -72,6 +72,10 @@ pub struct Stats {
     pub window_hits: u64,
     /// Allocations served from a sub-page arena.
     pub subpage_allocations: u64,
+    /// Allocations of a page or more served from a carved arena (`Options::carve`), and cached
+    /// ranges made carved arenas.
+    pub carved_allocations: u64,
+    pub carved_arenas: u64,
     /// Events the background worker has created ahead of need and no free has taken yet.
     pub events_stocked: u64,
     /// Allocation requests that mapped a range of their own, synchronously (every other request

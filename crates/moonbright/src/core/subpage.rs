@@ -129,6 +129,8 @@ pub(crate) struct SubPage {
     /// Each stream's held extents, the same way. A stream's set stays while it empties and
     /// fills again on the hot path; `settle` drops it once empty.
     held: HashMap<u64, BTreeSet<u128>>,
+    /// Bytes of all arenas that no block uses.
+    free_bytes: u64,
 }
 
 impl SubPage {
@@ -140,12 +142,19 @@ impl SubPage {
         let arena = Arena { len, free, used: BTreeMap::new(), used_bytes: 0, held: 0 };
         let prev = self.arenas.insert(id, arena);
         debug_assert!(prev.is_none());
+        self.free_bytes += len;
+    }
+
+    /// Bytes of all arenas that no block uses.
+    pub fn free_bytes(&self) -> u64 {
+        self.free_bytes
     }
 
     /// Forgets an arena with no block in use.
     pub fn remove_arena(&mut self, id: ArenaId) {
         let a = self.arenas.remove(&id).expect("remove_arena: no such arena");
         debug_assert!(a.emptied(id).is_some());
+        self.free_bytes -= a.len;
         for (off, e) in a.free {
             self.unindex(key(e.len, id, off), e.owner);
         }
@@ -199,6 +208,7 @@ impl SubPage {
         }
         a.used.insert(off + len - size, size);
         a.used_bytes += size;
+        self.free_bytes -= size;
         self.unindex(k, owner);
         if len > size {
             self.index(key(len - size, id, off), owner);
@@ -213,6 +223,7 @@ impl SubPage {
         let a = self.arenas.get_mut(&id).expect("free in a missing arena");
         let size = a.used.remove(&off).expect("free of a block that is not used");
         a.used_bytes -= size;
+        self.free_bytes += size;
         self.place(id, off, size, owner)
     }
 
@@ -383,6 +394,13 @@ impl SubPage {
                 return Err(format!("arena {id}: held extent count drifted"));
             }
             held += held_here;
+        }
+        let free: u64 = self.arenas.values().map(|a| a.len - a.used_bytes).sum();
+        if free != self.free_bytes {
+            return Err(format!(
+                "free bytes counted {} against {free} in the arenas",
+                self.free_bytes
+            ));
         }
         let held_entries: usize = self.held.values().map(|s| s.len()).sum();
         if open != self.open.len() || held != held_entries {
