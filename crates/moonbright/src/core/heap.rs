@@ -152,6 +152,8 @@ enum Use {
     Alloc,
     /// An arena of the sub-page allocator.
     Arena,
+    /// A carved arena: blocks of a page or more cut out of a cached range (`Options::carve`).
+    Carved,
     /// Freed on a stream whose work may still use it: only that stream may reuse it.
     Pending,
     /// An arena with no block in use whose space one stream still holds (`Emptied::held`): as
@@ -373,7 +375,7 @@ impl Heap {
             pool: Pool::default(),
             va: VaSpace::new(lim.reuse_addresses),
             sub: SubPage::default(),
-            carved: SubPage::default(),
+            carved: SubPage::tracking_opened(),
             streams: Streams::default(),
             window: Window::new(lim.page),
             window_slab: (0, 0),
@@ -565,29 +567,38 @@ impl Heap {
         Some(ptr)
     }
 
-    /// Turns the smallest cached range larger than `pages` (below `CARVED_ARENA_LIMIT`) into a
-    /// carved arena and serves the request out of it, if the carved arenas' unused pages then
-    /// stay within `carve_per_1024` of the bytes in use.
+    /// Carves a request out of the smallest cached range larger than `pages`: its last chunks
+    /// that hold the request (the fewest from its end) become a carved arena, the request is
+    /// cut from that arena's end, and the rest of the range stays cached. So what the arena
+    /// leaves unused lies inside its first chunk, and only if the carved arenas' unused bytes
+    /// then stay within `carve_per_1024` of the bytes in use.
     fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
         if self.lim.carve_per_1024 == 0 {
             return None;
         }
-        let most = CARVED_ARENA_LIMIT / self.lim.page;
-        if most <= pages {
-            return None;
+        let &(_, _, seq) = self.cached_by_size.range((pages + 1, 0, 0)..).next()?;
+        let r = self.range(self.cached_lru[&seq]);
+        let (mut tail, mut first) = (0, r.chunks.len());
+        while tail < pages {
+            first -= 1;
+            tail += self.pool.get(r.chunks[first]).pages;
         }
-        let &(got, _, seq) =
-            self.cached_by_size.range((pages + 1, 0, 0)..(most + 1, 0, 0)).next()?;
-        let unused = self.carved.free_bytes() + self.bytes(got - pages);
+        let unused = self.carved.free_bytes() + self.bytes(tail - pages);
         let in_use = self.stats.active_bytes.current + self.bytes(pages);
-        if unused > in_use / 1024 * self.lim.carve_per_1024 {
+        if self.bytes(tail) >= CARVED_ARENA_LIMIT
+            || unused > in_use / 1024 * self.lim.carve_per_1024
+        {
             return None;
         }
-        let id = self.uncache(seq);
+        let mut id = self.uncache(seq);
+        if first > 0 {
+            let head = id;
+            id = self.split_range_at(head, self.bytes(self.range(head).pages - tail));
+            self.cache_range(head);
+        }
         self.stats.carved_arenas += 1;
-        self.range_mut(id).use_ = Use::Arena;
-        let len = self.bytes(self.range(id).pages);
-        self.carved.add_arena(id, len);
+        self.range_mut(id).use_ = Use::Carved;
+        self.carved.add_arena(id, self.bytes(tail));
         self.take_carved(size, pages, stream)
     }
 
@@ -715,7 +726,7 @@ impl Heap {
     }
 
     fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
-        if matches!(backing, Backing::Sub { arena, .. } if self.range(arena).pages == 1) {
+        if matches!(backing, Backing::Sub { arena, .. } if self.range(arena).use_ == Use::Arena) {
             self.stats.subpage_allocations += 1;
         }
         self.count(size, rounded);
@@ -892,15 +903,16 @@ impl Heap {
                 self.range_mut(id).use_ = Use::Pending;
                 Pending::Range { id, va: self.range(id).va, pages: self.range(id).pages }
             }
-            Backing::Sub { arena, offset } => {
-                Pending::Block { ptr, arena, offset, rounded: live.rounded }
-            }
+            Backing::Sub { .. } => Pending::Block { ptr, rounded: live.rounded },
         };
         if live.uses.iter().all(|&u| u == stream) {
             let epoch = match what {
                 // Free at once, held for the stream in its arena until the epoch completes
                 // (`SubPage`): as PyTorch's allocator, the history shows the free complete now.
-                Pending::Block { ptr, arena, offset, rounded } => {
+                Pending::Block { ptr, rounded } => {
+                    let Backing::Sub { arena, offset } = live.backing else {
+                        unreachable!("a block is backed by an arena")
+                    };
                     let epoch = self.streams.hold(stream);
                     // An arena this empties goes back when `settle` opens its space.
                     self.arenas_of(arena).free(arena, offset, Owner::Held { stream, epoch });
@@ -1047,6 +1059,7 @@ impl Heap {
             for e in emptied.into_iter().chain(self.carved.settle(stream, upto)) {
                 self.arena_emptied(e);
             }
+            self.uncarve_opened();
         }
         // Then the joined frees this completion finished: their other streams were done before.
         let joined = self.streams.take_joined_done();
@@ -1059,9 +1072,11 @@ impl Heap {
                     }
                     self.cache_range(id);
                 }
-                Pending::Block { ptr, arena, offset, rounded } => {
+                Pending::Block { ptr, rounded } => {
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
-                    self.release_backing(Backing::Sub { arena, offset });
+                    let (&va, &arena) =
+                        self.by_va.range(..=ptr).next_back().expect("block's arena");
+                    self.release_backing(Backing::Sub { arena, offset: ptr - va });
                 }
                 // A growable's shrink (its chunks left the quarantine above), or a joined free's
                 // mark on this stream (the free itself completes with its last mark).
@@ -1091,13 +1106,101 @@ impl Heap {
                 if let Some(e) = self.arenas_of(arena).free(arena, offset, Owner::Open) {
                     self.arena_emptied(e);
                 }
+                self.uncarve_opened();
             }
         }
     }
 
-    /// The allocator that owns arena `id`: a sub-page arena is one page, a carved one more.
+    /// Gives the whole chunks that lie in open space of carved arenas back to the cache, where
+    /// they are mapped (`uncarve`), for the arenas where space became open.
+    fn uncarve_opened(&mut self) {
+        for id in self.carved.take_opened() {
+            self.uncarve(id);
+        }
+    }
+
+    /// Cuts every run of whole chunks that lies in one open free extent of carved arena `id`
+    /// out of it, as a cached range where it is mapped: so pages no block uses are held in
+    /// carved arenas only in chunks a block also uses, and the cache can serve, join, or
+    /// steal the rest. What is left on either side stays a carved arena (the part before the
+    /// run keeps the range's id; a part after gets a new one, and its blocks move to it).
+    fn uncarve(&mut self, id: RangeId) {
+        let cuts = self.free_chunk_runs(id);
+        // From the end, so the cuts still to make keep their offsets in `id`.
+        for (start, end) in cuts.into_iter().rev() {
+            if end < self.bytes(self.range(id).pages) {
+                let after = self.split_range_at(id, end);
+                self.carved.split_arena(id, end, after);
+                let va = self.range(after).va;
+                // Its blocks move with it (a block whose joined free is pending is not live:
+                // it is found by address when the free completes).
+                for off in self.carved.used_offsets(after) {
+                    if let Some(live) = self.live.get_mut(&(va + off)) {
+                        live.backing = Backing::Sub { arena: after, offset: off };
+                    }
+                }
+            }
+            let run = if start > 0 {
+                let run = self.split_range_at(id, start);
+                self.carved.split_arena(id, start, run);
+                run
+            } else {
+                id
+            };
+            self.carved.remove_arena(run);
+            self.cache_range(run);
+            self.stats.carved_chunks_uncarved += self.range(run).chunks.len() as u64;
+        }
+    }
+
+    /// The runs of whole chunks that lie in one open free extent of carved arena `id`, as
+    /// (start, end) offsets in address order.
+    fn free_chunk_runs(&self, id: RangeId) -> Vec<(u64, u64)> {
+        let open = self.carved.open_extents(id);
+        if open.is_empty() {
+            return Vec::new();
+        }
+        let mut bounds = vec![0];
+        for &c in self.range(id).chunks.iter() {
+            bounds.push(bounds[bounds.len() - 1] + self.bytes(self.pool.get(c).pages));
+        }
+        open.into_iter()
+            .filter_map(|(off, len)| {
+                let first = *bounds.iter().find(|&&b| b >= off)?;
+                let last = *bounds.iter().rev().find(|&&b| b <= off + len)?;
+                (first < last).then_some((first, last))
+            })
+            .collect()
+    }
+
+    /// Cuts range `id` at `at` bytes (a boundary between its chunks): it keeps what lies
+    /// before, and what lies after becomes a new range of the same use (returned).
+    fn split_range_at(&mut self, id: RangeId, at: u64) -> RangeId {
+        let pages = at / self.lim.page;
+        let r = self.range(id);
+        let (va, total, use_) = (r.va, r.pages, r.use_);
+        let mut acc = 0;
+        let k = r
+            .chunks
+            .iter()
+            .position(|&c| {
+                let here = acc == pages;
+                acc += self.pool.get(c).pages;
+                here
+            })
+            .expect("a cut at a chunk boundary inside the range");
+        let mut ids =
+            std::mem::replace(&mut self.range_mut(id).chunks, Chunks::from(Vec::new())).into_vec();
+        let after = ids.split_off(k);
+        let r = self.range_mut(id);
+        r.chunks = Chunks::from(ids);
+        r.pages = pages;
+        self.add_range(va + at, total - pages, Chunks::from(after), use_)
+    }
+
+    /// The allocator that owns arena `id`.
     fn arenas_of(&mut self, id: RangeId) -> &mut SubPage {
-        if self.range(id).pages == 1 {
+        if self.range(id).use_ == Use::Arena {
             &mut self.sub
         } else {
             &mut self.carved
@@ -1127,8 +1230,8 @@ impl Heap {
                     Use::Alloc => {
                         return Error::InteriorPointer { ptr, base: r.va, offset: ptr - r.va };
                     }
-                    Use::Arena => {
-                        let arenas = if r.pages == 1 { &self.sub } else { &self.carved };
+                    Use::Arena | Use::Carved => {
+                        let arenas = if r.use_ == Use::Arena { &self.sub } else { &self.carved };
                         if let Some((off, _)) = arenas.block_containing(id, ptr - r.va) {
                             let base = r.va + off;
                             if base != ptr {
@@ -2258,6 +2361,7 @@ impl Heap {
             let kind = match r.use_ {
                 Use::Alloc => "alloc",
                 Use::Arena => "arena",
+                Use::Carved => "carved",
                 Use::Pending | Use::PendingArena => "pending",
                 Use::Cached { .. } => "cached",
             };
@@ -2318,15 +2422,15 @@ impl Heap {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
             }
-            let arenas = if r.pages == 1 { &small } else { &carved };
-            if r.use_ == Use::Arena && !arenas.contains(&(id as RangeId)) {
-                return Err(format!("arena range {id} unknown to the sub-page allocator"));
+            if r.use_ == Use::Carved && !self.free_chunk_runs(id as RangeId).is_empty() {
+                return Err(format!("carved arena {id} holds a whole chunk of open space"));
             }
-            if r.use_ != Use::Arena
-                && (small.contains(&(id as RangeId)) || carved.contains(&(id as RangeId)))
-            {
+            let (in_small, in_carved) =
+                (small.contains(&(id as RangeId)), carved.contains(&(id as RangeId)));
+            if (r.use_ == Use::Arena) != in_small || (r.use_ == Use::Carved) != in_carved {
                 return Err(format!(
-                    "range {id} is an arena of the sub-page allocator, not in use as one"
+                    "range {id} in use as {:?}: a sub-page arena {in_small}, a carved one {in_carved}",
+                    r.use_
                 ));
             }
             spans.push((r.va, r.pages * page, "range"));

@@ -120,7 +120,8 @@ pub struct SegmentInfo {
     pub size: u64,
     /// The stream of its last allocation (0: default).
     pub stream: u64,
-    /// `"alloc"` (one allocation), `"arena"` (sub-page blocks), `"pending"` (freed on a stream),
+    /// `"alloc"` (one allocation), `"arena"` (sub-page blocks), `"carved"` (blocks of a page or
+    /// more cut out of a cached range), `"pending"` (freed on a stream),
     /// `"cached"` (free, mapped) or `"growable"` (a growable allocation's committed pages).
     pub kind: &'static str,
     /// Physical chunks mapped there.

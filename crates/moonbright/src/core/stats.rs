@@ -76,6 +76,8 @@ pub struct Stats {
     /// ranges made carved arenas.
     pub carved_allocations: u64,
     pub carved_arenas: u64,
+    /// Whole chunks that no block used, cut out of carved arenas back into the cache.
+    pub carved_chunks_uncarved: u64,
     /// Events the background worker has created ahead of need and no free has taken yet.
     pub events_stocked: u64,
     /// Allocation requests that mapped a range of their own, synchronously (every other request

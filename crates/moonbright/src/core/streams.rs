@@ -30,8 +30,9 @@ pub(crate) const NO_STREAM: u64 = u64::MAX;
 pub(crate) enum Pending {
     /// A whole range of `pages` pages at `va` (an allocation of a page or more).
     Range { id: u32, va: u64, pages: u64 },
-    /// A sub-page block of a joined free, still marked used in its arena.
-    Block { ptr: u64, arena: u32, offset: u64, rounded: u64 },
+    /// A block of an arena (sub-page or carved) of a joined free, still marked used in its
+    /// arena. Found by address when the free completes: a carved arena may be cut meanwhile.
+    Block { ptr: u64, rounded: u64 },
     /// A point in the stream's order with nothing attached: a growable allocation shrank here,
     /// and the chunks it gave back wait in the heap's quarantine for this epoch.
     Mark,

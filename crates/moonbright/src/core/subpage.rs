@@ -131,9 +131,90 @@ pub(crate) struct SubPage {
     held: HashMap<u64, BTreeSet<u128>>,
     /// Bytes of all arenas that no block uses.
     free_bytes: u64,
+    /// Arenas where space became open for every stream since `take_opened` (kept only when
+    /// `track_opened` is set: the heap's carved arenas give whole free chunks back).
+    opened: Vec<ArenaId>,
+    track_opened: bool,
 }
 
 impl SubPage {
+    /// An allocator that lists the arenas where space becomes open (`take_opened`).
+    pub fn tracking_opened() -> Self {
+        SubPage { track_opened: true, ..SubPage::default() }
+    }
+
+    /// The arenas where space became open since the last call, each once, oldest first.
+    pub fn take_opened(&mut self) -> Vec<ArenaId> {
+        let mut out = std::mem::take(&mut self.opened);
+        let mut seen = std::collections::HashSet::new();
+        out.retain(|id| seen.insert(*id));
+        out
+    }
+
+    /// The open free extents of arena `id`, as (offset, len) in address order.
+    pub fn open_extents(&self, id: ArenaId) -> Vec<(u64, u64)> {
+        let Some(a) = self.arenas.get(&id) else { return Vec::new() };
+        a.free.iter().filter(|(_, e)| e.owner == Owner::Open).map(|(&o, e)| (o, e.len)).collect()
+    }
+
+    /// The offsets of arena `id`'s used blocks, in address order.
+    pub fn used_offsets(&self, id: ArenaId) -> Vec<u64> {
+        self.arenas.get(&id).map(|a| a.used.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// Cuts arena `id` at `at` (inside it, and not inside a used block): it keeps `0..at`, and
+    /// `at..` becomes arena `new`, its offsets less `at`. A free extent across `at` is cut in
+    /// two of the same owner. Nothing is freed or used.
+    pub fn split_arena(&mut self, id: ArenaId, at: u64, new: ArenaId) {
+        let a = self.arenas.get_mut(&id).expect("split_arena: no such arena");
+        assert!(at > 0 && at < a.len && at % SUBPAGE_ALIGN == 0, "split_arena: bad offset {at}");
+        debug_assert!(self.block_containing(id, at).map_or(true, |(o, _)| o == at));
+        let a = self.arenas.get_mut(&id).expect("checked above");
+        // A free extent across the cut: its head stays, its tail moves.
+        let mut moved_free: Vec<(u64, Extent)> = Vec::new();
+        let mut stale: Vec<(u128, Owner)> = Vec::new();
+        let mut fresh: Vec<(u128, Owner)> = Vec::new();
+        if let Some((&p, &e)) = a.free.range(..at).next_back() {
+            if p + e.len > at {
+                let head = at - p;
+                stale.push((key(e.len, id, p), e.owner));
+                fresh.push((key(head, id, p), e.owner));
+                a.free.get_mut(&p).expect("just found").len = head;
+                moved_free.push((at, Extent { len: e.len - head, owner: e.owner }));
+            }
+        }
+        for (o, e) in a.free.split_off(&at) {
+            stale.push((key(e.len, id, o), e.owner));
+            a.held -= is_held(e.owner);
+            moved_free.push((o, e));
+        }
+        let used = a.used.split_off(&at);
+        let moved_used: u64 = used.values().sum();
+        a.used_bytes -= moved_used;
+        let len = a.len - at;
+        a.len = at;
+        let mut b = Arena {
+            len,
+            free: BTreeMap::new(),
+            used: used.into_iter().map(|(o, l)| (o - at, l)).collect(),
+            used_bytes: moved_used,
+            held: 0,
+        };
+        for (o, e) in moved_free {
+            b.free.insert(o - at, e);
+            b.held += is_held(e.owner);
+            fresh.push((key(e.len, new, o - at), e.owner));
+        }
+        let prev = self.arenas.insert(new, b);
+        debug_assert!(prev.is_none());
+        for (k, o) in stale {
+            self.unindex(k, o);
+        }
+        for (k, o) in fresh {
+            self.index(k, o);
+        }
+    }
+
     pub fn add_arena(&mut self, id: ArenaId, len: u64) {
         assert!(len < 1 << 32, "arenas are at most 4 GiB");
         let mut free = BTreeMap::new();
@@ -264,6 +345,9 @@ impl SubPage {
             self.unindex(k, o);
         }
         self.index(key(total, id, start), owner);
+        if self.track_opened && owner == Owner::Open {
+            self.opened.push(id);
+        }
         self.arenas[&id].emptied(id)
     }
 
@@ -536,6 +620,67 @@ mod tests {
                     }
                 }
                 s.check().map_err(TestCaseError::fail)?;
+            }
+        }
+
+        /// Arenas cut anywhere outside a used block (as the heap cuts carved arenas at chunk
+        /// boundaries) stay tiled and indexed, and every live block stays used where it moved.
+        #[test]
+        fn arenas_split_between_blocks_stay_tiled(
+            ops in proptest::collection::vec((0u8..5, 1u64..40, 0u64..3), 1..400)
+        ) {
+            let mut s = SubPage::default();
+            s.add_arena(0, 64 * A);
+            let mut next_id = 1;
+            let mut live: Vec<(ArenaId, u64, u64)> = Vec::new();
+            let mut epoch = 0;
+            for (op, units, stream) in ops {
+                match op {
+                    0 | 1 => {
+                        if let Some((id, off)) = s.alloc(units * A, stream) {
+                            live.push((id, off, units * A));
+                        }
+                    }
+                    2 if !live.is_empty() => {
+                        let (id, off, _) = live.swap_remove(units as usize % live.len());
+                        epoch += 1;
+                        let owner = if stream == 0 { Owner::Open } else { held(stream, epoch) };
+                        if let Some(e) = s.free(id, off, owner) {
+                            if e.held.is_none() && units % 2 == 0 {
+                                s.remove_arena(id);
+                            }
+                        }
+                    }
+                    3 => {
+                        s.settle(stream, epoch.saturating_sub(units % 3));
+                    }
+                    _ => {
+                        // Cut the arena of the `units`-th id at the first unit boundary from
+                        // `units` on that no used block straddles.
+                        let ids: Vec<ArenaId> = s.arena_ids().collect();
+                        if ids.is_empty() {
+                            continue;
+                        }
+                        let id = ids[units as usize % ids.len()];
+                        let len = s.arenas[&id].len;
+                        let at = (units * A..len).step_by(A as usize).find(|&o| {
+                            s.block_containing(id, o).map_or(true, |(b, _)| b == o)
+                        });
+                        if let Some(at) = at.filter(|&o| o > 0) {
+                            let free = s.free_bytes();
+                            s.split_arena(id, at, next_id);
+                            for b in live.iter_mut().filter(|b| b.0 == id && b.1 >= at) {
+                                *b = (next_id, b.1 - at, b.2);
+                            }
+                            next_id += 1;
+                            prop_assert_eq!(s.free_bytes(), free);
+                        }
+                    }
+                }
+                s.check().map_err(TestCaseError::fail)?;
+                for &(id, off, len) in &live {
+                    prop_assert_eq!(s.block_containing(id, off), Some((off, len)));
+                }
             }
         }
 
