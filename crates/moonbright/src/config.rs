@@ -167,7 +167,7 @@ impl Default for Options {
             window_refill_pages: 8,
             reuse_addresses: true,
             near_fit: 0.125,
-            carve: 0.0,
+            carve: 0.005,
             peer_access: true,
             ipc: true,
             captures_announced: false,

@@ -1134,6 +1134,8 @@ fn the_search_for_a_cached_chunk_that_fits_is_bounded() {
         let a = Allocator::new(Options {
             cap_fraction: 1.0,
             max_chunk_bytes: 256 << 10,
+            // The plan's search is the subject: carving would serve the request with no plan.
+            carve: 0.0,
             ..Options::host(512 * MIB, 64 << 10)
         })
         .unwrap();
@@ -1325,18 +1327,25 @@ fn carving_cuts_a_cached_range_page_granular_with_no_driver_call() {
     gives_everything_back(&a);
 }
 
-/// Carving starts only while the carved arenas' unused pages stay within `carve` of the bytes
-/// in use; off (0) it never starts, and the request maps as it did before.
+/// Carving starts only while the carved arenas' unused pages stay within `carve` of the peak
+/// bytes in use; off (0) it never starts, and the request maps as it did before.
 #[test]
 fn carving_keeps_its_unused_pages_within_the_budget() {
-    for (carve, carved) in [(0.0, false), (0.25, false), (0.5, true)] {
+    for (carve, peak, carved) in
+        [(0.0, 21, false), (0.25, 10, false), (0.5, 10, true), (0.25, 21, true), (0.125, 21, false)]
+    {
         let a = Allocator::new(Options { carve, ..host_options() }).unwrap();
         let page = a.page_size() as u64;
         let keep = a.malloc((9 * page) as usize).unwrap();
         let twelve = a.malloc((12 * page) as usize).unwrap();
         a.free(twelve).unwrap();
+        if peak == 10 {
+            // The peak in use falls to the nine pages live (ten with the request).
+            a.reset_peak_stats();
+        }
         let before = vmm(&a);
-        // One page out of a chunk of four leaves three unused, against ten in use.
+        // One page out of a chunk of four leaves three unused, against a peak of `peak` pages
+        // in use: allowed from 3/10 (or 3/21) on.
         let one = a.malloc(page as usize).unwrap();
         assert_eq!(a.stats().carved_arenas == 1, carved, "carve {carve}");
         assert_eq!(vmm(&a) == before, carved, "carve {carve}: a driver call unless carved");

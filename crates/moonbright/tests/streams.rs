@@ -928,7 +928,9 @@ fn deferred_free_events_come_from_the_worker_and_release_unused() {
 }
 
 /// Carved blocks (`Options::carve`) follow the stream order of sub-page blocks: a block freed
-/// on a stream is its alone until the free completes, when every stream may take it.
+/// on a stream is its alone until the free completes, when every stream may take it; and a
+/// chunk whose blocks are all freed on a stream goes pending for it as a range, as a freed
+/// range does (its stream takes it back at once for its size, others after the free).
 #[test]
 fn carved_blocks_follow_the_same_order() {
     let a = Allocator::new(Options { carve: 1.0, ..opts(false) }).unwrap();
@@ -936,22 +938,39 @@ fn carved_blocks_follow_the_same_order() {
     let keep = a.malloc(8 * PAGE).unwrap();
     let eight = a.malloc(8 * PAGE).unwrap();
     a.free(eight).unwrap();
+    let calls = |a: &Allocator| a.stats().driver_calls.get(CallKind::Map);
+    let maps = calls(&a);
     host(&a).hold_stream(s[0]);
-    let p = a.malloc_async(3 * PAGE, s[0]).unwrap();
+    // One page, then three: the second chunk of the cached eight, whole.
+    let p = a.malloc_async(PAGE, s[0]).unwrap();
     let q = a.malloc_async(3 * PAGE, s[0]).unwrap();
-    assert_eq!(a.stats().carved_allocations, 2, "both carved out of the cached eight pages");
+    assert_eq!((p, q), (eight + 7 * PAGE as u64, eight + 4 * PAGE as u64));
     a.free_async(p, s[0]).unwrap();
-    let maps = a.stats().driver_calls.get(CallKind::Map);
-    let r = a.malloc_async(3 * PAGE, s[1]).unwrap();
-    assert_ne!(r, p, "s1 got the block s0 freed before the free completed");
-    assert_eq!(a.malloc_async(3 * PAGE, s[0]).unwrap(), p, "the freeing stream reuses it");
-    assert_eq!(a.stats().driver_calls.get(CallKind::Map), maps + 1, "only s1's request mapped");
+    // s1 does not get p's page while s0's free is pending: it carves the first chunk instead.
+    let r = a.malloc_async(PAGE, s[1]).unwrap();
+    assert_eq!(r, eight + 3 * PAGE as u64);
+    assert_eq!(a.malloc_async(PAGE, s[0]).unwrap(), p, "the freeing stream reuses it at once");
     a.free_async(p, s[0]).unwrap();
     host(&a).release_stream(s[0]);
     a.poll();
-    assert_eq!(a.malloc_async(3 * PAGE, s[1]).unwrap(), p, "completed: s1 takes it");
+    assert_eq!(a.malloc_async(PAGE, s[1]).unwrap(), p, "completed: s1 takes it");
+    assert_eq!(a.stats().carved_allocations, 5);
+    a.free(p).unwrap();
+    // q and p freed on a held s0 leave their chunk unused: it goes pending for s0, whole.
+    host(&a).hold_stream(s[0]);
+    let p = a.malloc_async(PAGE, s[0]).unwrap();
+    a.free_async(q, s[0]).unwrap();
+    a.free_async(p, s[0]).unwrap();
+    assert_eq!(a.stats().carved_chunks_uncarved, 1);
+    let other = a.malloc_async(4 * PAGE, s[1]).unwrap();
+    assert_ne!(other, q, "s1 got the chunk s0's frees left before they completed");
+    let maps_s1 = calls(&a);
+    assert_eq!(a.malloc_async(4 * PAGE, s[0]).unwrap(), q, "s0 takes its chunk back, whole");
+    assert_eq!(calls(&a), maps_s1, "with no driver call");
+    assert_eq!(maps_s1, maps + 1, "only s1's four pages mapped");
     a.check_invariants().unwrap();
-    for x in [p, q, r, keep] {
+    host(&a).release_stream(s[0]);
+    for x in [q, r, other, keep] {
         a.free(x).unwrap();
     }
     a.check_invariants().unwrap();

@@ -250,8 +250,8 @@ pub(crate) struct Limits {
     /// A cached range up to this many 1024ths larger than a request serves it whole
     /// (`Options::near_fit`).
     pub near_fit_per_1024: u64,
-    /// Carved arenas may leave this many 1024ths of the bytes in use unused (`Options::carve`;
-    /// 0: no carving).
+    /// Carved arenas may leave this many 1024ths of the peak bytes in use unused
+    /// (`Options::carve`; 0: no carving).
     pub carve_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
@@ -375,7 +375,7 @@ impl Heap {
             pool: Pool::default(),
             va: VaSpace::new(lim.reuse_addresses),
             sub: SubPage::default(),
-            carved: SubPage::tracking_opened(),
+            carved: SubPage::tracking_freed(),
             streams: Streams::default(),
             window: Window::new(lim.page),
             window_slab: (0, 0),
@@ -571,7 +571,8 @@ impl Heap {
     /// that hold the request (the fewest from its end) become a carved arena, the request is
     /// cut from that arena's end, and the rest of the range stays cached. So what the arena
     /// leaves unused lies inside its first chunk, and only if the carved arenas' unused bytes
-    /// then stay within `carve_per_1024` of the bytes in use.
+    /// then stay within `carve_per_1024` of the peak bytes in use (the peak: what held memory
+    /// is measured against; a training step's low points would otherwise carve nothing).
     fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
         if self.lim.carve_per_1024 == 0 {
             return None;
@@ -584,7 +585,8 @@ impl Heap {
             tail += self.pool.get(r.chunks[first]).pages;
         }
         let unused = self.carved.free_bytes() + self.bytes(tail - pages);
-        let in_use = self.stats.active_bytes.current + self.bytes(pages);
+        let in_use =
+            self.stats.active_bytes.peak.max(self.stats.active_bytes.current + self.bytes(pages));
         if self.bytes(tail) >= CARVED_ARENA_LIMIT
             || unused > in_use / 1024 * self.lim.carve_per_1024
         {
@@ -914,8 +916,10 @@ impl Heap {
                         unreachable!("a block is backed by an arena")
                     };
                     let epoch = self.streams.hold(stream);
-                    // An arena this empties goes back when `settle` opens its space.
+                    // A sub-page arena this empties goes back when `settle` opens its space; a
+                    // carved one's whole free chunks go pending for the stream at once.
                     self.arenas_of(arena).free(arena, offset, Owner::Held { stream, epoch });
+                    self.uncarve_freed();
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
                     epoch
                 }
@@ -1059,7 +1063,7 @@ impl Heap {
             for e in emptied.into_iter().chain(self.carved.settle(stream, upto)) {
                 self.arena_emptied(e);
             }
-            self.uncarve_opened();
+            self.uncarve_freed();
         }
         // Then the joined frees this completion finished: their other streams were done before.
         let joined = self.streams.take_joined_done();
@@ -1106,28 +1110,31 @@ impl Heap {
                 if let Some(e) = self.arenas_of(arena).free(arena, offset, Owner::Open) {
                     self.arena_emptied(e);
                 }
-                self.uncarve_opened();
+                self.uncarve_freed();
             }
         }
     }
 
-    /// Gives the whole chunks that lie in open space of carved arenas back to the cache, where
-    /// they are mapped (`uncarve`), for the arenas where space became open.
-    fn uncarve_opened(&mut self) {
-        for id in self.carved.take_opened() {
+    /// Gives the whole chunks that lie in free space of carved arenas back (`uncarve`), for
+    /// the arenas where free space grew.
+    fn uncarve_freed(&mut self) {
+        for id in self.carved.take_freed() {
             self.uncarve(id);
         }
     }
 
-    /// Cuts every run of whole chunks that lies in one open free extent of carved arena `id`
-    /// out of it, as a cached range where it is mapped: so pages no block uses are held in
-    /// carved arenas only in chunks a block also uses, and the cache can serve, join, or
-    /// steal the rest. What is left on either side stays a carved arena (the part before the
-    /// run keeps the range's id; a part after gets a new one, and its blocks move to it).
+    /// Cuts every run of whole chunks that lies in one free extent of carved arena `id` out of
+    /// it, where it is mapped: so pages no block uses are held in carved arenas only in chunks
+    /// a block also uses, and the cache can serve, join, or steal the rest. A run of open space
+    /// is cached; one held for a stream goes pending for it until that epoch, as an arena
+    /// emptied by its frees does, so it comes back to the stream the same whether or not the
+    /// free has completed (Address stability). What is left on either side stays a carved arena
+    /// (the part before the run keeps the range's id; a part after gets a new one, and its
+    /// blocks move to it). Done as frees come, not as they complete, for the same reason.
     fn uncarve(&mut self, id: RangeId) {
         let cuts = self.free_chunk_runs(id);
         // From the end, so the cuts still to make keep their offsets in `id`.
-        for (start, end) in cuts.into_iter().rev() {
+        for (start, end, owner) in cuts.into_iter().rev() {
             if end < self.bytes(self.range(id).pages) {
                 let after = self.split_range_at(id, end);
                 self.carved.split_arena(id, end, after);
@@ -1147,28 +1154,33 @@ impl Heap {
             } else {
                 id
             };
-            self.carved.remove_arena(run);
-            self.cache_range(run);
             self.stats.carved_chunks_uncarved += self.range(run).chunks.len() as u64;
+            self.arena_emptied(Emptied {
+                arena: run,
+                held: match owner {
+                    Owner::Open => None,
+                    Owner::Held { stream, epoch } => Some((stream, epoch)),
+                },
+            });
         }
     }
 
-    /// The runs of whole chunks that lie in one open free extent of carved arena `id`, as
-    /// (start, end) offsets in address order.
-    fn free_chunk_runs(&self, id: RangeId) -> Vec<(u64, u64)> {
-        let open = self.carved.open_extents(id);
-        if open.is_empty() {
+    /// The runs of whole chunks that lie in one free extent of carved arena `id`, as (start,
+    /// end, the extent's owner) in address order.
+    fn free_chunk_runs(&self, id: RangeId) -> Vec<(u64, u64, Owner)> {
+        let free = self.carved.free_extents(id);
+        if free.is_empty() {
             return Vec::new();
         }
         let mut bounds = vec![0];
         for &c in self.range(id).chunks.iter() {
             bounds.push(bounds[bounds.len() - 1] + self.bytes(self.pool.get(c).pages));
         }
-        open.into_iter()
-            .filter_map(|(off, len)| {
+        free.into_iter()
+            .filter_map(|(off, len, owner)| {
                 let first = *bounds.iter().find(|&&b| b >= off)?;
                 let last = *bounds.iter().rev().find(|&&b| b <= off + len)?;
-                (first < last).then_some((first, last))
+                (first < last).then_some((first, last, owner))
             })
             .collect()
     }
@@ -2423,7 +2435,7 @@ impl Heap {
                 }
             }
             if r.use_ == Use::Carved && !self.free_chunk_runs(id as RangeId).is_empty() {
-                return Err(format!("carved arena {id} holds a whole chunk of open space"));
+                return Err(format!("carved arena {id} holds a whole chunk of free space"));
             }
             let (in_small, in_carved) =
                 (small.contains(&(id as RangeId)), carved.contains(&(id as RangeId)));

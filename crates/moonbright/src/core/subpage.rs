@@ -131,30 +131,30 @@ pub(crate) struct SubPage {
     held: HashMap<u64, BTreeSet<u128>>,
     /// Bytes of all arenas that no block uses.
     free_bytes: u64,
-    /// Arenas where space became open for every stream since `take_opened` (kept only when
-    /// `track_opened` is set: the heap's carved arenas give whole free chunks back).
-    opened: Vec<ArenaId>,
-    track_opened: bool,
+    /// Arenas where free space grew since `take_freed` (kept only when `track_freed` is set:
+    /// the heap's carved arenas give whole free chunks back).
+    freed: Vec<ArenaId>,
+    track_freed: bool,
 }
 
 impl SubPage {
-    /// An allocator that lists the arenas where space becomes open (`take_opened`).
-    pub fn tracking_opened() -> Self {
-        SubPage { track_opened: true, ..SubPage::default() }
+    /// An allocator that lists the arenas where free space grows (`take_freed`).
+    pub fn tracking_freed() -> Self {
+        SubPage { track_freed: true, ..SubPage::default() }
     }
 
-    /// The arenas where space became open since the last call, each once, oldest first.
-    pub fn take_opened(&mut self) -> Vec<ArenaId> {
-        let mut out = std::mem::take(&mut self.opened);
+    /// The arenas where free space grew since the last call, each once, oldest first.
+    pub fn take_freed(&mut self) -> Vec<ArenaId> {
+        let mut out = std::mem::take(&mut self.freed);
         let mut seen = std::collections::HashSet::new();
         out.retain(|id| seen.insert(*id));
         out
     }
 
-    /// The open free extents of arena `id`, as (offset, len) in address order.
-    pub fn open_extents(&self, id: ArenaId) -> Vec<(u64, u64)> {
+    /// The free extents of arena `id`, as (offset, len, owner) in address order.
+    pub fn free_extents(&self, id: ArenaId) -> Vec<(u64, u64, Owner)> {
         let Some(a) = self.arenas.get(&id) else { return Vec::new() };
-        a.free.iter().filter(|(_, e)| e.owner == Owner::Open).map(|(&o, e)| (o, e.len)).collect()
+        a.free.iter().map(|(&o, e)| (o, e.len, e.owner)).collect()
     }
 
     /// The offsets of arena `id`'s used blocks, in address order.
@@ -345,8 +345,8 @@ impl SubPage {
             self.unindex(k, o);
         }
         self.index(key(total, id, start), owner);
-        if self.track_opened && owner == Owner::Open {
-            self.opened.push(id);
+        if self.track_freed {
+            self.freed.push(id);
         }
         self.arenas[&id].emptied(id)
     }
