@@ -253,6 +253,8 @@ struct Report {
     mismatches: u64,
     joined_frees: u64,
     cache_hits: u64,
+    /// Of those, blocks carved out of cached ranges (`Options::carve`).
+    carved_allocations: u64,
     unmap_batches: u64,
     cached_ranges_stolen: u64,
     peak_reserved: u64,
@@ -333,6 +335,7 @@ fn run() -> Res<()> {
         mismatches,
         joined_frees: st.joined_frees,
         cache_hits: st.cache_hits,
+        carved_allocations: st.carved_allocations,
         unmap_batches: st.unmap_batches,
         cached_ranges_stolen: st.cached_ranges_stolen,
         peak_reserved: st.reserved_bytes.peak,
@@ -349,7 +352,7 @@ fn run() -> Res<()> {
     println!(
         "gpu_stress on {}: {} threads x {} ops in {:.1} s: {} allocations ({:.1} GiB filled and \
          checked), {} freed on another stream, {} checked on a second stream and recorded there \
-         ({} joined frees); cache hits {}, unmap batches {}, stolen ranges {}, peak reserved \
+         ({} joined frees); cache hits {} ({} carved), unmap batches {}, stolen ranges {}, peak reserved \
          {:.2} GiB, deferred errors {}",
         report.gpu,
         args.threads,
@@ -361,6 +364,7 @@ fn run() -> Res<()> {
         recorded,
         report.joined_frees,
         report.cache_hits,
+        report.carved_allocations,
         report.unmap_batches,
         report.cached_ranges_stolen,
         report.peak_reserved as f64 / GIB as f64,

@@ -116,6 +116,8 @@ impl Replay for Mb {
             ("cached_ranges_stolen", s.cached_ranges_stolen),
             ("cached_ranges_split", s.cached_ranges_split),
             ("cached_ranges_joined", s.cached_ranges_joined),
+            ("carved_allocations", s.carved_allocations),
+            ("carved_chunks_uncarved", s.carved_chunks_uncarved),
             ("unmap_batches", s.unmap_batches),
             ("flushes_for_addresses", s.flushes_for_addresses),
             ("flushes_for_split", s.flushes_for_split),
