@@ -411,3 +411,27 @@ fn resizing_on_a_capturing_stream_is_refused_and_changes_nothing() {
     a.resize_async(g, 8 * PAGE, s).unwrap();
     books_agree(&a);
 }
+
+/// A growth short of memory reports OOM at once even when a carved arena's free pages could
+/// hold it: a growable takes no arena space, so waiting for it would never end (it waited
+/// 10 s, then failed as a driver error, before session 33's fix).
+#[test]
+fn a_growth_short_of_memory_does_not_wait_for_carved_space() {
+    let a = Allocator::new(Options { carve: 1.0, ..opts(false) }).unwrap();
+    let big = a.malloc(60 * PAGE).unwrap();
+    a.free(big).unwrap();
+    // Thirty pages carved out of the last eight chunks: two pages of them stay free.
+    let keep = a.malloc(30 * PAGE).unwrap();
+    assert_eq!(a.stats().carved_arenas, 1);
+    // The other 28 cached pages and the last 4 under the cap.
+    let fill = a.malloc(32 * PAGE).unwrap();
+    let g = a.reserve_growable(8 * PAGE).unwrap();
+    let t = std::time::Instant::now();
+    assert!(matches!(a.resize(g, 2 * PAGE), Err(Error::OutOfMemory { .. })));
+    assert!(t.elapsed() < std::time::Duration::from_secs(2), "waited {:?}", t.elapsed());
+    books_agree(&a);
+    for p in [keep, fill, g] {
+        a.free(p).unwrap();
+    }
+    books_agree(&a);
+}

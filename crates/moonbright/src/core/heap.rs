@@ -1273,12 +1273,16 @@ impl Heap {
     }
 
     /// The step for a request of `stream` `short` pages short of `requested` bytes: wait if
-    /// work in flight may free some; try the fast paths again if a request below a page now
-    /// fits in an arena (another thread's arena committed since this one missed, or a block it
-    /// waited for came back), as arena space is found by nothing else; else out of memory.
-    fn short_of(&self, requested: u64, short: u64, stream: u64) -> Step {
+    /// work in flight may free some; try the fast paths again if the request now fits in an
+    /// arena, sub-page or carved (another thread's arena committed since this one missed, or a
+    /// block it waited for came back), as arena space is found by nothing else; else out of
+    /// memory. A growable's growth (`arenas` false) takes no arena space: waiting for it would
+    /// never end.
+    fn short_of(&self, requested: u64, short: u64, stream: u64, arenas: bool) -> Step {
         let rounded = requested.next_multiple_of(SUBPAGE_ALIGN);
-        let arena_fits = if requested < self.lim.page {
+        let arena_fits = if !arenas {
+            false
+        } else if requested < self.lim.page {
             self.sub.fits(rounded, stream)
         } else {
             self.lim.carve_per_1024 > 0
@@ -1318,7 +1322,7 @@ impl Heap {
     pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
         let free = self.free_pages_for(stream);
         if free < pages {
-            return self.short_of(requested, pages - free, stream);
+            return self.short_of(requested, pages - free, stream, true);
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
@@ -1459,7 +1463,7 @@ impl Heap {
             if self.headroom() < left {
                 self.give_back(got, same_stream);
                 self.va.recycle(va, len);
-                return self.short_of(requested, left, stream);
+                return self.short_of(requested, left, stream, true);
             }
             create = chunk_plan(left, cap);
         }

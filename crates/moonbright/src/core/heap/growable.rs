@@ -134,7 +134,7 @@ impl Heap {
         }
         let free = self.free_pages_for(s);
         let step = if free < need {
-            self.short_of(need_len, need - free, s)
+            self.short_of(need_len, need - free, s, false)
         } else {
             self.plan_at(va, need, need_len, s, false)
         };
