@@ -191,6 +191,7 @@ impl Outcome {
                 "subpage_allocations": s.subpage_allocations,
                 "carved_allocations": s.carved_allocations,
                 "carved_arenas": s.carved_arenas,
+                "carved_chunks_uncarved": s.carved_chunks_uncarved,
                 "cached_ranges_stolen": s.cached_ranges_stolen,
                 "cached_ranges_split": s.cached_ranges_split,
                 "cached_ranges_joined": s.cached_ranges_joined,

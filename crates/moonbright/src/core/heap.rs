@@ -301,10 +301,9 @@ pub(crate) struct Heap {
     pool: Pool,
     va: VaSpace,
     sub: SubPage,
-    /// Carved arenas: cached ranges of two pages or more cut page-granular into allocations of
-    /// a page or more (`Options::carve`), by the same best fit and stream holds as `sub`. A
-    /// sub-page arena is one page, a carved one at least two: the range's size says which
-    /// allocator owns an arena.
+    /// Carved arenas: the last chunks of cached ranges cut page-granular into allocations of a
+    /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
+    /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
     carved: SubPage,
     streams: Streams,
     window: Window,

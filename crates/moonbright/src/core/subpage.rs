@@ -143,11 +143,14 @@ impl SubPage {
         SubPage { track_freed: true, ..SubPage::default() }
     }
 
-    /// The arenas where free space grew since the last call, each once, oldest first.
+    /// The arenas where free space grew since the last call, each once.
     pub fn take_freed(&mut self) -> Vec<ArenaId> {
+        if self.freed.is_empty() {
+            return Vec::new();
+        }
         let mut out = std::mem::take(&mut self.freed);
-        let mut seen = std::collections::HashSet::new();
-        out.retain(|id| seen.insert(*id));
+        out.sort_unstable();
+        out.dedup();
         out
     }
 
