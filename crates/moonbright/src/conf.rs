@@ -44,7 +44,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("window_refill_pages", "pages the mapper maps into the window per step, 1 or more"),
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("near_fit", "a fraction in [0, 1]: cached ranges this much larger than a request serve it whole"),
-    ("carve", "a fraction in [0, 1]: unused pages of carved ranges allowed, of the bytes in use; 0: off"),
+    ("carve", "a fraction in [0, 1]: unused pages of carved arenas allowed, of the peak in use; 0: off"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("ipc", "true or false: chunks can be exported to other processes"),
     (

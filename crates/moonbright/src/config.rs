@@ -104,12 +104,12 @@ pub struct Options {
     /// more memory held (README, "Over a longer run"); 0 serves only exact runs. 0 to 1.
     pub near_fit: f64,
     /// Carve cached ranges: a request of a page or more that no cached range holds exactly
-    /// takes its pages out of the smallest larger cached range, whose other pages then serve
-    /// later requests of a page or more, page-granular, with no driver call (docs/design.md,
-    /// "Carved arenas"); the range comes back whole once none of its pages is in use. Carving
-    /// starts only while the pages carved ranges leave unused stay within this fraction of the
-    /// bytes in use: they cannot be stolen for other ranges, so they count as held memory.
-    /// 0 turns carving off. 0 to 1.
+    /// takes its pages out of the last chunks of the smallest larger cached range, where they
+    /// are mapped, and what it leaves of those chunks serves later requests of a page or more,
+    /// page-granular, with no driver call (docs/design.md, "Carved arenas"); a chunk whose
+    /// blocks are all freed goes back to the cache. Carving starts only while the pages carved
+    /// arenas leave unused stay within this fraction of the peak bytes in use: they cannot be
+    /// stolen for other ranges, so they count as held memory. 0 turns carving off. 0 to 1.
     pub carve: f64,
     /// For a process that keeps one allocator per GPU (the Python package): whether each GPU's
     /// allocator grants the other GPUs it allocates on access to its memory (copies between

@@ -13,9 +13,10 @@ const PAGE: usize = 64 << 10;
 
 /// A tight allocator: 96 pages, chunks up to 4 pages (for a need of 8 or more new pages, the
 /// largest power of two it holds, up to 16), small unmap batches, so a short workload creates,
-/// splits, steals, maps, flushes and reserves.
-fn tight() -> Allocator {
+/// splits, steals, maps, flushes and reserves; with `carve`, carving that much.
+fn tight_carving(carve: f64) -> Allocator {
     let opts = Options {
+        carve,
         cap_fraction: 1.0,
         max_chunk_bytes: 4 * PAGE as u64,
         large_chunk_bytes: 8 * PAGE as u64,
@@ -26,6 +27,10 @@ fn tight() -> Allocator {
         ..Options::host(96 * PAGE as u64, PAGE)
     };
     Allocator::new(opts).unwrap()
+}
+
+fn tight() -> Allocator {
+    tight_carving(Options::default().carve)
 }
 
 /// The allocator's books agree with the host backend's: chunk bytes and mappings.
@@ -147,13 +152,20 @@ fn drains_clean(a: &Allocator) {
 }
 
 fn fail_each_position(kind: CallKind) {
+    fail_each_position_carving(kind, Options::default().carve);
+}
+
+fn fail_each_position_carving(kind: CallKind, carve: f64) {
     // How many calls of this kind the workload makes when nothing fails, its drain included:
     // some kinds (a released growable's addresses freed after their unmap) come in the
     // workload only if the worker flushed in time, which a busy machine may not give it.
     let calls = {
-        let a = tight();
+        let a = tight_carving(carve);
         workload(&a, 7, 250);
         drains_clean(&a);
+        if carve == 1.0 {
+            assert!(a.stats().carved_allocations > 0, "the workload carved nothing");
+        }
         a.stats().driver_calls.get(kind)
     };
     assert!(calls > 0, "the workload makes no {kind} call");
@@ -164,7 +176,7 @@ fn fail_each_position(kind: CallKind) {
     };
     let mut seen_failures = 0;
     for n in positions {
-        let a = tight();
+        let a = tight_carving(carve);
         a.driver().fail_nth(kind, n, None);
         seen_failures += workload(&a, 7, 250);
         drains_clean(&a);
@@ -212,6 +224,22 @@ fn free_reservation_failures() {
 #[test]
 fn reserve_failures() {
     fail_each_position(CallKind::Reserve);
+}
+
+/// The same failures with carving at its most (carved arenas cut and given back beside every
+/// failed call): nothing is lost, and the books agree.
+#[test]
+fn failures_of_every_kind_while_carving() {
+    for kind in [
+        CallKind::Create,
+        CallKind::Map,
+        CallKind::SetAccess,
+        CallKind::Unmap,
+        CallKind::Release,
+        CallKind::Reserve,
+    ] {
+        fail_each_position_carving(kind, 1.0);
+    }
 }
 
 #[test]

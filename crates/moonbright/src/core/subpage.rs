@@ -169,10 +169,9 @@ impl SubPage {
     /// `at..` becomes arena `new`, its offsets less `at`. A free extent across `at` is cut in
     /// two of the same owner. Nothing is freed or used.
     pub fn split_arena(&mut self, id: ArenaId, at: u64, new: ArenaId) {
+        debug_assert!(self.block_containing(id, at).map_or(true, |(o, _)| o == at));
         let a = self.arenas.get_mut(&id).expect("split_arena: no such arena");
         assert!(at > 0 && at < a.len && at % SUBPAGE_ALIGN == 0, "split_arena: bad offset {at}");
-        debug_assert!(self.block_containing(id, at).map_or(true, |(o, _)| o == at));
-        let a = self.arenas.get_mut(&id).expect("checked above");
         // A free extent across the cut: its head stays, its tail moves.
         let mut moved_free: Vec<(u64, Extent)> = Vec::new();
         let mut stale: Vec<(u128, Owner)> = Vec::new();
