@@ -1356,6 +1356,53 @@ fn carving_keeps_its_unused_pages_within_the_budget() {
     }
 }
 
+/// Carving takes the run of cached chunks that spares the fewest pages, wherever it lies in a
+/// range, and across cached neighbours when no one range is large enough; all with no driver
+/// call.
+#[test]
+fn carving_takes_the_tightest_run_of_a_range_or_of_neighbours() {
+    let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();
+    let page = a.page_size() as u64;
+    let seg = |at: u64| a.segments().into_iter().find(|s| s.addr == at).unwrap();
+    let keep = a.malloc((16 * page) as usize).unwrap();
+    // Ten pages: chunks of four, four and two.
+    let ten = a.malloc((10 * page) as usize).unwrap();
+    assert_eq!(seg(ten).chunks, 3);
+    a.free(ten).unwrap();
+    let before = vmm(&a);
+    // Three pages: the last chunks that hold them (two and four) would spare three; the middle
+    // chunk spares one.
+    let three = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(three, ten + 5 * page, "cut from the middle chunk's end");
+    assert_eq!((seg(ten).kind, seg(ten).size), ("cached", 4 * page));
+    assert_eq!((seg(ten + 4 * page).kind, seg(ten + 4 * page).size), ("carved", 4 * page));
+    assert_eq!((seg(ten + 8 * page).kind, seg(ten + 8 * page).size), ("cached", 2 * page));
+    assert_eq!(vmm(&a), before);
+    a.check_invariants().unwrap();
+    a.free(three).unwrap();
+    a.free(keep).unwrap();
+    gives_everything_back(&a);
+
+    let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();
+    let seg = |at: u64| a.segments().into_iter().find(|s| s.addr == at).unwrap();
+    let keep = a.malloc((16 * page) as usize).unwrap();
+    let (x, y) = (a.malloc((4 * page) as usize).unwrap(), a.malloc((4 * page) as usize).unwrap());
+    assert_eq!(y, x + 4 * page, "fresh ranges back to back");
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    let before = vmm(&a);
+    // Five pages: no cached range is larger, and no run of the neighbours holds exactly five,
+    // so it is carved out of the two joined (either four-page chunk alone is short).
+    let five = a.malloc((5 * page) as usize).unwrap();
+    assert_eq!(five, x + 3 * page, "cut from the joined run's end");
+    assert_eq!((seg(x).kind, seg(x).size), ("carved", 8 * page));
+    assert_eq!(vmm(&a), before, "no driver call");
+    a.check_invariants().unwrap();
+    a.free(five).unwrap();
+    a.free(keep).unwrap();
+    gives_everything_back(&a);
+}
+
 #[test]
 fn a_churn_of_mixed_sizes_with_carving_keeps_every_byte() {
     let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();

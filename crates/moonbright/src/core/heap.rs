@@ -71,6 +71,12 @@ const SPLIT_SLACK: u64 = 64;
 /// A run of chunks in a cached range: (its cache sequence number, first chunk, one past the last).
 type CachedRun = (u64, usize, usize);
 
+/// Cached ranges, and groups of cached neighbours, a new carved arena is chosen from (smallest
+/// first), and the chunks looked at in all: the search runs under the lock on every miss that
+/// the cache does not serve otherwise.
+const CARVE_CANDIDATES: usize = 64;
+const CARVE_CHUNKS_SEEN: usize = 2048;
+
 /// A carved arena's largest size: the sub-page allocator's extents keep lengths in 32 bits.
 const CARVED_ARENA_LIMIT: u64 = 1 << 31;
 
@@ -138,6 +144,32 @@ fn chunk_run(
         sum -= size(start);
     }
     None
+}
+
+/// The run of consecutive items (of `len`, each `size(i)` pages) that holds `pages` with the
+/// fewest to spare, the last such (carving then leaves the range's front cached, as a split
+/// does): (first, one past the last, spare pages). Each run looked at is the shortest from its
+/// start, so the spare is less than its first item and its last.
+fn tightest_run(
+    len: usize,
+    size: impl Fn(usize) -> u64,
+    pages: u64,
+) -> Option<(usize, usize, u64)> {
+    let (mut end, mut sum, mut best) = (0, 0, None::<(usize, usize, u64)>);
+    for start in 0..len {
+        while end < len && sum < pages {
+            sum += size(end);
+            end += 1;
+        }
+        if sum < pages {
+            break;
+        }
+        if best.map_or(true, |b| sum - pages <= b.2) {
+            best = Some((start, end, sum - pages));
+        }
+        sum -= size(start);
+    }
+    best
 }
 
 /// Events a stream keeps recorded and unpolled before its frees record its newest one again
@@ -566,37 +598,55 @@ impl Heap {
         Some(ptr)
     }
 
-    /// Carves a request out of the smallest cached range larger than `pages`: its last chunks
-    /// that hold the request (the fewest from its end) become a carved arena, the request is
-    /// cut from that arena's end, and the rest of the range stays cached. So what the arena
-    /// leaves unused lies inside its first chunk, and only if the carved arenas' unused bytes
-    /// then stay within `carve_per_1024` of the peak bytes in use (the peak: what held memory
-    /// is measured against; a training step's low points would otherwise carve nothing).
+    /// Carves a request out of a mapped run of cached chunks where it lies: of the smallest
+    /// cached ranges larger than `pages`, and then of the smallest groups of cached neighbours
+    /// (`cached_groups`), the run of consecutive chunks that holds the request with the fewest
+    /// pages to spare (`tightest_run`; the smaller range or group on a tie) becomes a carved
+    /// arena, and the request is cut from its end. What lies before and after the run stays cached, so what the arena
+    /// leaves unused lies inside its first chunk; and the run is taken only if the carved
+    /// arenas' unused bytes then stay within `carve_per_1024` of the peak bytes in use (the
+    /// peak: what held memory is measured against; a training step's low points would
+    /// otherwise carve nothing).
     fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
         if self.lim.carve_per_1024 == 0 {
             return None;
         }
-        let &(_, _, seq) = self.cached_by_size.range((pages + 1, 0, 0)..).next()?;
-        let r = self.range(self.cached_lru[&seq]);
-        let (mut tail, mut first) = (0, r.chunks.len());
-        while tail < pages {
-            first -= 1;
-            tail += self.pool.get(r.chunks[first]).pages;
+        // (spare pages, the cached ranges the run lies in as the first's start and the
+        // last's end, the run's first chunk and one past its last, in those ranges' chunks).
+        let mut best: Option<(u64, (u64, u64), usize, usize)> = None;
+        let mut ids: Vec<ChunkId> = Vec::new();
+        let singles = self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_CANDIDATES);
+        let singles = singles.map(|&(p, va, _)| (va, va + self.bytes(p)));
+        let groups = self.cached_groups_by_size.range((pages + 1, 0)..).take(CARVE_CANDIDATES);
+        let groups = groups.map(|&(p, start)| (start, start + self.bytes(p)));
+        for (start, end) in singles.chain(groups) {
+            if ids.len() >= CARVE_CHUNKS_SEEN || best.is_some_and(|b| b.0 == 0) {
+                break;
+            }
+            let first = ids.len();
+            for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
+                ids.extend(self.range(id).chunks.iter().copied());
+            }
+            let size = |i: usize| self.pool.get(ids[first + i]).pages;
+            if let Some((a, b, spare)) = tightest_run(ids.len() - first, size, pages) {
+                if best.map_or(true, |b| spare < b.0) {
+                    best = Some((spare, (start, end), a, b));
+                }
+            }
         }
-        let unused = self.carved.free_bytes() + self.bytes(tail - pages);
+        let (spare, (start, end), a, b) = best?;
+        let unused = self.carved.free_bytes() + self.bytes(spare);
         let in_use =
             self.stats.active_bytes.peak.max(self.stats.active_bytes.current + self.bytes(pages));
-        if self.bytes(tail) >= CARVED_ARENA_LIMIT
+        if self.bytes(pages + spare) >= CARVED_ARENA_LIMIT
             || unused > in_use / 1024 * self.lim.carve_per_1024
         {
             return None;
         }
-        let mut id = self.uncache(seq);
-        if first > 0 {
-            let head = id;
-            id = self.split_range_at(head, self.bytes(self.range(head).pages - tail));
-            self.cache_range(head);
-        }
+        let group: Vec<u64> =
+            self.cached_by_va.range(start..end).map(|(_, &(seq, _, _))| seq).collect();
+        let id = self.join_run(&group, a, b);
+        let tail = pages + spare;
         self.stats.carved_arenas += 1;
         self.range_mut(id).use_ = Use::Carved;
         self.carved.add_arena(id, self.bytes(tail));
@@ -1894,7 +1944,13 @@ impl Heap {
         let (start, end, run_start, run_end) = best?;
         let group: Vec<u64> =
             self.cached_by_va.range(start..end).map(|(_, &(q, _, _))| q).collect();
-        let (start, end) = (run_start, run_end);
+        Some(self.join_run(&group, run_start, run_end))
+    }
+
+    /// Joins the cached ranges of `group` (back to back, in address order) that chunks
+    /// `start..end` of theirs touch, and splits that run off as a range of its own (returned,
+    /// out of the cache): what is left on either side stays cached.
+    fn join_run(&mut self, group: &[u64], start: usize, end: usize) -> RangeId {
         // Join the ranges the run touches: from the one holding its first chunk to the one
         // holding its last.
         let (mut first, mut offset, mut last) = (None, 0, 0);
@@ -1923,7 +1979,7 @@ impl Heap {
             chunks.extend(range.chunks.into_vec());
         }
         self.stats.cached_ranges_joined += (last - first) as u64;
-        Some(self.split_chunks(va, joined_pages, chunks, start - offset, end - offset))
+        self.split_chunks(va, joined_pages, chunks, start - offset, end - offset)
     }
 
     /// The cached range to steal for a plan that still needs `left` pages: of the first
@@ -2664,6 +2720,40 @@ mod tests {
         assert_eq!(run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
         assert_eq!(run(&[3], 4, 8), None, "not enough pages at all");
         assert_eq!(run(&[], 1, 1), None);
+    }
+
+    #[test]
+    fn the_tightest_run_spares_the_fewest_pages() {
+        let run = |sizes: &[u64], pages| tightest_run(sizes.len(), |i| sizes[i], pages);
+        assert_eq!(run(&[4, 4, 4], 3), Some((2, 3, 1)), "the last of equals");
+        assert_eq!(run(&[8, 4, 2], 3), Some((1, 2, 1)), "the middle");
+        assert_eq!(run(&[2, 8, 2, 2], 4), Some((2, 4, 0)));
+        assert_eq!(run(&[2, 8, 3, 2], 4), Some((2, 4, 1)), "a run of two beats one chunk of 8");
+        assert_eq!(run(&[2, 8, 2, 1], 4), Some((1, 2, 4)), "2 + 1 is short");
+        assert_eq!(run(&[3, 3], 7), None, "not enough pages at all");
+        assert_eq!(run(&[], 1), None);
+    }
+
+    proptest::proptest! {
+        /// Against every run, by brute force: the fewest pages spared, the last such run.
+        #[test]
+        fn the_tightest_run_is_the_brute_forces(
+            sizes in proptest::collection::vec(1u64..40, 0..24),
+            pages in 1u64..200,
+        ) {
+            let mut want = None;
+            for a in 0..sizes.len() {
+                for b in a + 1..=sizes.len() {
+                    let sum: u64 = sizes[a..b].iter().sum();
+                    let shortest = sum - sizes[b - 1] < pages;
+                    let better = want.map_or(true, |w: (usize, usize, u64)| sum - pages <= w.2);
+                    if sum >= pages && shortest && better {
+                        want = Some((a, b, sum - pages));
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(tightest_run(sizes.len(), |i| sizes[i], pages), want);
+        }
     }
 
     #[test]
