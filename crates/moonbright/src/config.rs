@@ -104,8 +104,9 @@ pub struct Options {
     /// more memory held (README, "Over a longer run"); 0 serves only exact runs. 0 to 1.
     pub near_fit: f64,
     /// Carve cached ranges: a request of a page or more that no cached range holds exactly
-    /// takes its pages out of the last chunks of the smallest larger cached range, where they
-    /// are mapped, and what it leaves of those chunks serves later requests of a page or more,
+    /// takes its pages out of the run of cached chunks (in one larger cached range, or across
+    /// cached neighbours) that holds it with the fewest pages to spare, where they are mapped,
+    /// and what it leaves of those chunks serves later requests of a page or more,
     /// page-granular, with no driver call (docs/design.md, "Carved arenas"); a chunk whose
     /// blocks are all freed goes back to the cache. Carving starts only while the pages carved
     /// arenas leave unused stay within this fraction of the peak bytes in use: they cannot be

@@ -1267,8 +1267,8 @@ fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
 }
 
 /// Carving (`Options::carve`): a request that no cached range holds exactly takes its pages
-/// out of the last chunks of the smallest larger cached range, where they are mapped; the rest
-/// of the range stays cached, and what the request leaves of those chunks serves later
+/// out of the run of cached chunks that spares the fewest pages (here the last chunks of the
+/// one larger cached range), where they are mapped; the rest of the range stays cached, and what the request leaves of those chunks serves later
 /// requests of a page or more, page-granular. All with no driver call. A chunk that no block
 /// uses any more goes back to the cache, and freed, the pieces join again.
 #[test]

@@ -344,7 +344,7 @@ pub(crate) struct Heap {
     pool: Pool,
     va: VaSpace,
     sub: SubPage,
-    /// Carved arenas: the last chunks of cached ranges cut page-granular into allocations of a
+    /// Carved arenas: runs of cached chunks cut page-granular into allocations of a
     /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
     /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
     carved: SubPage,
