@@ -1268,9 +1268,10 @@ fn a_churn_of_mixed_sizes_splits_cached_ranges_and_keeps_every_byte() {
 
 /// Carving (`Options::carve`): a request that no cached range holds exactly takes its pages
 /// out of the run of cached chunks that spares the fewest pages (here the last chunks of the
-/// one larger cached range), where they are mapped; the rest of the range stays cached, and what the request leaves of those chunks serves later
-/// requests of a page or more, page-granular. All with no driver call. A chunk that no block
-/// uses any more goes back to the cache, and freed, the pieces join again.
+/// one larger cached range), where they are mapped; the rest of the range stays cached, and
+/// what the request leaves of those chunks serves later requests of a page or more,
+/// page-granular. All with no driver call. A chunk that no block uses any more goes back to
+/// the cache, and freed, the pieces join again.
 #[test]
 fn carving_cuts_a_cached_range_page_granular_with_no_driver_call() {
     let a = Allocator::new(Options { carve: 1.0, ..host_options() }).unwrap();
@@ -1399,6 +1400,38 @@ fn carving_takes_the_tightest_run_of_a_range_or_of_neighbours() {
     assert_eq!(vmm(&a), before, "no driver call");
     a.check_invariants().unwrap();
     a.free(five).unwrap();
+    a.free(keep).unwrap();
+    gives_everything_back(&a);
+}
+
+/// A cached range of more chunks than carving's search looks at is looked at in part (its last
+/// chunks), not passed over: the request is still carved out of it, with no driver call.
+#[test]
+fn carving_looks_at_the_last_chunks_of_a_range_too_long_to_look_at_whole() {
+    let chunk = 256 << 10;
+    let a = Allocator::new(Options {
+        carve: 1.0,
+        large_chunk_bytes: chunk,
+        largest_chunk_bytes: chunk,
+        ..host_options()
+    })
+    .unwrap();
+    let page = a.page_size() as u64;
+    let keep = a.malloc((16 * page) as usize).unwrap();
+    // 600 chunks of four pages, more than the 512 the search looks at.
+    let long = a.malloc((2400 * page) as usize).unwrap();
+    let seg = |at: u64| a.segments().into_iter().find(|s| s.addr == at).unwrap();
+    assert_eq!(seg(long).chunks, 600);
+    a.free(long).unwrap();
+    let before = vmm(&a);
+    // Three pages: no run of chunks holds exactly three, so they are carved out of the last
+    // chunk.
+    let three = a.malloc((3 * page) as usize).unwrap();
+    assert_eq!(three, long + 2397 * page);
+    assert_eq!(vmm(&a), before, "no driver call");
+    assert_eq!(a.stats().carved_arenas, 1);
+    a.check_invariants().unwrap();
+    a.free(three).unwrap();
     a.free(keep).unwrap();
     gives_everything_back(&a);
 }

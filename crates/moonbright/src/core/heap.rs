@@ -613,11 +613,11 @@ impl Heap {
     /// cached ranges larger than `pages`, and then of the smallest groups of cached neighbours
     /// (`cached_groups`), the run of consecutive chunks that holds the request with the fewest
     /// pages to spare (`tightest_run`; the smaller range or group on a tie) becomes a carved
-    /// arena, and the request is cut from its end. What lies before and after the run stays cached, so what the arena
-    /// leaves unused lies inside its first chunk; and the run is taken only if the carved
-    /// arenas' unused bytes then stay within `carve_per_1024` of the peak bytes in use (the
-    /// peak: what held memory is measured against; a training step's low points would
-    /// otherwise carve nothing).
+    /// arena, and the request is cut from its end. What lies before and after the run stays
+    /// cached, so what the arena leaves unused lies inside its first chunk; and the run is
+    /// taken only if the carved arenas' unused bytes then stay within `carve_per_1024` of the
+    /// peak bytes in use (the peak: what held memory is measured against; a training step's
+    /// low points would otherwise carve nothing).
     fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
         if self.lim.carve_per_1024 == 0 {
             return None;
@@ -631,18 +631,21 @@ impl Heap {
         // (spare pages, where the run lies: a cached range's sequence number, or the start
         // and end of a group of cached neighbours; the run's first chunk and one past its
         // last, in those ranges' chunks).
+        // A range or group with more chunks than are left to look at is looked at in part: a
+        // range's last chunks, a group's first.
         let mut best: Option<(u64, Carve, usize, usize)> = None;
         let mut seen = 0;
         for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
-            let chunks = &self.range(self.cached_lru[&seq]).chunks;
-            seen += chunks.len();
-            if seen > CARVE_CHUNKS_SEEN || best.is_some_and(|b| b.0 == 0) {
+            if seen >= CARVE_CHUNKS_SEEN || best.is_some_and(|b| b.0 == 0) {
                 break;
             }
-            let size = |i: usize| self.pool.get(chunks[i]).pages;
-            if let Some((a, b, spare)) = tightest_run(chunks.len(), size, pages) {
+            let chunks = &self.range(self.cached_lru[&seq]).chunks;
+            let skip = chunks.len().saturating_sub(CARVE_CHUNKS_SEEN - seen);
+            seen += chunks.len() - skip;
+            let size = |i: usize| self.pool.get(chunks[skip + i]).pages;
+            if let Some((a, b, spare)) = tightest_run(chunks.len() - skip, size, pages) {
                 if spare <= allowed && best.map_or(true, |b| spare < b.0) {
-                    best = Some((spare, Carve::Range(seq), a, b));
+                    best = Some((spare, Carve::Range(seq), skip + a, skip + b));
                 }
             }
         }
@@ -654,8 +657,12 @@ impl Heap {
             let end = start + self.bytes(p);
             ids.clear();
             for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
+                if ids.len() >= CARVE_CHUNKS_SEEN - seen {
+                    break;
+                }
                 ids.extend(self.range(id).chunks.iter().copied());
             }
+            ids.truncate(CARVE_CHUNKS_SEEN - seen);
             seen += ids.len();
             let size = |i: usize| self.pool.get(ids[i]).pages;
             if let Some((a, b, spare)) = tightest_run(ids.len(), size, pages) {
