@@ -45,6 +45,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("near_fit", "a fraction in [0, 1]: cached ranges this much larger than a request serve it whole"),
     ("carve", "a fraction in [0, 1]: unused pages of carved arenas allowed, of the peak in use; 0: off"),
+    ("carve_repeated", "a fraction in [0, 1]: carve's budget for a request of a size seen recently"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("ipc", "true or false: chunks can be exported to other processes"),
     (
@@ -202,6 +203,13 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
                 return Err(bad(name, v));
             }
             opts.carve = f;
+        }
+        "carve_repeated" => {
+            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
+            if !(0.0..=1.0).contains(&f) {
+                return Err(bad(name, v));
+            }
+            opts.carve_repeated = Some(f);
         }
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
@@ -381,7 +389,10 @@ mod tests {
         assert_eq!(apply_pairs(Options::default(), [("near_fit", "0.5")]).unwrap().near_fit, 0.5);
         for bad in ["-0.1", "1.5", "NaN", "half"] {
             assert!(apply_pairs(Options::default(), [("near_fit", bad)]).is_err(), "{bad}");
+            assert!(apply_pairs(Options::default(), [("carve_repeated", bad)]).is_err(), "{bad}");
         }
+        let o = apply_pairs(Options::default(), [("carve_repeated", "0.02")]).unwrap();
+        assert_eq!((o.carve_repeated, Options::default().carve_repeated), (Some(0.02), None));
         let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
         assert!(!o.reuse_addresses && Options::default().reuse_addresses);
         assert!(apply_pairs(Options::default(), [("reuse_addresses", "maybe")]).is_err());

@@ -1357,6 +1357,40 @@ fn carving_keeps_its_unused_pages_within_the_budget() {
     }
 }
 
+/// `carve_repeated` is carving's budget for a request of a size a recent request had, `carve`
+/// the one for other sizes: a page asked for again (one is live) is carved under the first, a
+/// page and a byte (never asked for) under the second.
+#[test]
+fn a_repeated_size_carves_under_its_own_budget() {
+    for (carve, carve_repeated, repeated, carved) in [
+        (0.0, Some(1.0), true, true),
+        (0.0, Some(1.0), false, false),
+        (0.0, None, true, false),
+        (1.0, Some(0.0), true, false),
+        (1.0, Some(0.0), false, true),
+        (1.0, None, true, true),
+    ] {
+        let a = Allocator::new(Options { carve, carve_repeated, ..host_options() }).unwrap();
+        let page = a.page_size();
+        let keep = a.malloc(9 * page).unwrap();
+        let first = a.malloc(page).unwrap();
+        let twelve = a.malloc(12 * page).unwrap();
+        a.free(twelve).unwrap();
+        let before = vmm(&a);
+        // Not within `near_fit` of the twelve pages cached: carved, or mapped.
+        let size = if repeated { page } else { page + 1 };
+        let p = a.malloc(size).unwrap();
+        let case = format!("carve {carve}, carve_repeated {carve_repeated:?}, repeated {repeated}");
+        assert_eq!(a.stats().carved_arenas == 1, carved, "{case}");
+        assert_eq!(vmm(&a) == before, carved, "{case}: a driver call unless carved");
+        a.check_invariants().unwrap();
+        for q in [p, first, keep] {
+            a.free(q).unwrap();
+        }
+        gives_everything_back(&a);
+    }
+}
+
 /// Carving takes the run of cached chunks that spares the fewest pages, wherever it lies in a
 /// range, and across cached neighbours when no one range is large enough; all with no driver
 /// call.

@@ -15,6 +15,7 @@ use super::history::{
 };
 use super::mapping::{Executed, MapPlan};
 use super::pool::{chunk_plan, ChunkId, Pool};
+use super::sizes::RecentSizes;
 use super::stats::Stats;
 use super::streams::{Pending, Streams};
 use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
@@ -296,6 +297,9 @@ pub(crate) struct Limits {
     /// Carved arenas may leave this many 1024ths of the peak bytes in use unused
     /// (`Options::carve`; 0: no carving).
     pub carve_per_1024: u64,
+    /// That budget for a request whose exact size a recent request had too
+    /// (`Options::carve_repeated`).
+    pub carve_repeated_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
     pub defer_free_events: bool,
@@ -408,6 +412,9 @@ pub(crate) struct Heap {
     /// while over the cap).
     over_cap: Option<u64>,
     history: Option<History>,
+    /// Sizes of recent requests of a page or more: carving's larger budget for repeated sizes
+    /// (`Options::carve_repeated`).
+    sizes: RecentSizes,
 }
 
 impl Heap {
@@ -451,6 +458,7 @@ impl Heap {
             deferred_error: None,
             over_cap: None,
             history: None,
+            sizes: RecentSizes::default(),
         }
     }
 
@@ -579,6 +587,7 @@ impl Heap {
             });
         }
         let pages = size.div_ceil(self.lim.page);
+        let repeated = self.tells_repeated() && self.sizes.contains(size);
         if let Some(ptr) = self.take_carved(size, pages, stream) {
             return Ok(Fast::Done(ptr));
         }
@@ -589,7 +598,7 @@ impl Heap {
         if let Some(id) = self.take_near(pages, near_run) {
             return Ok(Fast::Done(self.finish_range(id, size, stream)));
         }
-        if let Some(ptr) = self.start_carving(size, pages, stream) {
+        if let Some(ptr) = self.start_carving(size, pages, stream, repeated) {
             return Ok(Fast::Done(ptr));
         }
         Ok(Fast::NeedRange { pages, arena: false })
@@ -598,7 +607,7 @@ impl Heap {
     /// A block of `pages` pages from a carved arena (`Options::carve`), by best fit over their
     /// free extents that `stream` may take.
     fn take_carved(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
-        if self.lim.carve_per_1024 == 0 {
+        if !self.carving() {
             return None;
         }
         let (arena, offset) = self.carved.alloc(self.bytes(pages), stream)?;
@@ -609,24 +618,38 @@ impl Heap {
         Some(ptr)
     }
 
+    /// Whether carving is on (`Options::carve`, `Options::carve_repeated`).
+    fn carving(&self) -> bool {
+        self.lim.carve_per_1024 > 0 || self.lim.carve_repeated_per_1024 > 0
+    }
+
+    /// Whether carving's budget depends on a request's size having come before, and so
+    /// whether the sizes of requests are kept (`sizes`): not when the two budgets are equal.
+    fn tells_repeated(&self) -> bool {
+        self.lim.carve_repeated_per_1024 != self.lim.carve_per_1024
+    }
+
     /// Carves a request out of a mapped run of cached chunks where it lies: of the smallest
     /// cached ranges larger than `pages`, and then of the smallest groups of cached neighbours
     /// (`cached_groups`), the run of consecutive chunks that holds the request with the fewest
     /// pages to spare (`tightest_run`; the smaller range or group on a tie) becomes a carved
     /// arena, and the request is cut from its end. What lies before and after the run stays
     /// cached, so what the arena leaves unused lies inside its first chunk; and the run is
-    /// taken only if the carved arenas' unused bytes then stay within `carve_per_1024` of the
-    /// peak bytes in use (the peak: what held memory is measured against; a training step's
-    /// low points would otherwise carve nothing).
-    fn start_carving(&mut self, size: u64, pages: u64, stream: u64) -> Option<u64> {
-        if self.lim.carve_per_1024 == 0 {
+    /// taken only if the carved arenas' unused bytes then stay within the budget: of the peak
+    /// bytes in use (what held memory is measured against; a training step's low points would
+    /// otherwise carve nothing), `carve_repeated_per_1024` for a size a recent request had
+    /// (`repeated`), else `carve_per_1024`.
+    fn start_carving(&mut self, size: u64, pages: u64, stream: u64, repeated: bool) -> Option<u64> {
+        let per_1024 =
+            if repeated { self.lim.carve_repeated_per_1024 } else { self.lim.carve_per_1024 };
+        if per_1024 == 0 {
             return None;
         }
         // The pages a new arena may leave unused; none left, no search (most misses in a
         // repeated training step's later passes, where carving has used up the budget).
         let in_use =
             self.stats.active_bytes.peak.max(self.stats.active_bytes.current + self.bytes(pages));
-        let budget = in_use / 1024 * self.lim.carve_per_1024;
+        let budget = in_use / 1024 * per_1024;
         let allowed = budget.checked_sub(self.carved.free_bytes())? / self.lim.page;
         // (spare pages, where the run lies: a cached range's sequence number, or the start
         // and end of a group of cached neighbours; the run's first chunk and one past its
@@ -634,24 +657,33 @@ impl Heap {
         // A range or group with more chunks than are left to look at is looked at in part: a
         // range's last chunks, a group's first.
         let mut best: Option<(u64, Carve, usize, usize)> = None;
+        // Takes the tightest run of `len` chunks (of `size(i)` pages, the first at `skip`) in
+        // place of the best so far if it spares fewer pages, and no more than allowed.
+        let mut consider = |at: Carve, skip: usize, len: usize, size: &dyn Fn(usize) -> u64| {
+            if let Some((a, b, spare)) = tightest_run(len, size, pages) {
+                if spare <= allowed && best.map_or(true, |b| spare < b.0) {
+                    best = Some((spare, at, skip + a, skip + b));
+                }
+            }
+            best.is_some_and(|b| b.0 == 0)
+        };
         let mut seen = 0;
         for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
-            if seen >= CARVE_CHUNKS_SEEN || best.is_some_and(|b| b.0 == 0) {
+            if seen >= CARVE_CHUNKS_SEEN {
                 break;
             }
             let chunks = &self.range(self.cached_lru[&seq]).chunks;
             let skip = chunks.len().saturating_sub(CARVE_CHUNKS_SEEN - seen);
             seen += chunks.len() - skip;
             let size = |i: usize| self.pool.get(chunks[skip + i]).pages;
-            if let Some((a, b, spare)) = tightest_run(chunks.len() - skip, size, pages) {
-                if spare <= allowed && best.map_or(true, |b| spare < b.0) {
-                    best = Some((spare, Carve::Range(seq), skip + a, skip + b));
-                }
+            if consider(Carve::Range(seq), skip, chunks.len() - skip, &size) {
+                seen = CARVE_CHUNKS_SEEN;
+                break;
             }
         }
         let mut ids: Vec<ChunkId> = Vec::new();
         for &(p, start) in self.cached_groups_by_size.range((pages + 1, 0)..).take(CARVE_GROUPS) {
-            if seen >= CARVE_CHUNKS_SEEN || best.is_some_and(|b| b.0 == 0) {
+            if seen >= CARVE_CHUNKS_SEEN {
                 break;
             }
             let end = start + self.bytes(p);
@@ -665,10 +697,8 @@ impl Heap {
             ids.truncate(CARVE_CHUNKS_SEEN - seen);
             seen += ids.len();
             let size = |i: usize| self.pool.get(ids[i]).pages;
-            if let Some((a, b, spare)) = tightest_run(ids.len(), size, pages) {
-                if spare <= allowed && best.map_or(true, |b| spare < b.0) {
-                    best = Some((spare, Carve::Group(start, end), a, b));
-                }
+            if consider(Carve::Group(start, end), 0, ids.len(), &size) {
+                break;
             }
         }
         let (spare, at, a, b) = best?;
@@ -817,6 +847,9 @@ impl Heap {
             self.stats.subpage_allocations += 1;
         }
         self.count(size, rounded);
+        if size >= self.lim.page && self.tells_repeated() {
+            self.sizes.insert(size);
+        }
         self.recent_free_gen.remove(&ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
         let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false };
@@ -1370,8 +1403,7 @@ impl Heap {
         } else if requested < self.lim.page {
             self.sub.fits(rounded, stream)
         } else {
-            self.lim.carve_per_1024 > 0
-                && self.carved.fits(requested.next_multiple_of(self.lim.page), stream)
+            self.carving() && self.carved.fits(requested.next_multiple_of(self.lim.page), stream)
         };
         if self.has_inflight() || arena_fits {
             Step::Wait
@@ -2820,6 +2852,7 @@ mod tests {
             reuse_addresses: true,
             near_fit_per_1024: 128,
             carve_per_1024: 0,
+            carve_repeated_per_1024: 0,
             defer_free_events: false,
         };
         let mut h = Heap::new(lim);

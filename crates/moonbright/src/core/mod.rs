@@ -7,6 +7,7 @@ pub(crate) mod heap;
 pub mod history;
 pub(crate) mod mapping;
 pub(crate) mod pool;
+pub(crate) mod sizes;
 pub mod stats;
 pub(crate) mod streams;
 pub(crate) mod subpage;
