@@ -19,8 +19,8 @@ Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB
 ``large_chunk``, ``largest_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
 ``near_fit`` (0 to 1: how much larger a cached range may be and still serve a request whole),
 ``carve`` (0 to 1: the unused pages carving may leave in cached ranges it cuts, of the peak in
-use), ``carve_repeated`` (0 to 1: that budget for a request of a size asked for recently; by
-default ``carve``'s),
+use), ``carve_repeated`` (0 to 1: that budget for a request of a size asked for recently, as a
+training step's are),
 ``peer_access`` (true|false), ``ipc`` (true|false: chunks can be sent to other processes,
 :mod:`moonbright.ipc`),
 ``validate`` (true|false).

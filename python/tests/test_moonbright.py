@@ -41,9 +41,7 @@ def test_parse_conf_values_and_errors():
     assert moonbright.parse_conf("peer_access:off")["peer_access"] is False
     assert o["near_fit"] == 0.125
     assert moonbright.parse_conf("near_fit:0.25")["near_fit"] == 0.25
-    assert o["carve"] == 0.005 and o["carve_repeated"] == 0.005
-    c = moonbright.parse_conf("carve:0.01")
-    assert c["carve"] == 0.01 and c["carve_repeated"] == 0.01
+    assert o["carve"] == 0.005 and o["carve_repeated"] == 0.01
     assert moonbright.parse_conf("carve_repeated:0.02")["carve_repeated"] == 0.02
     with pytest.raises(ValueError, match="carve_repeated"):
         moonbright.parse_conf("carve_repeated:2")

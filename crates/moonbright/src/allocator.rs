@@ -240,8 +240,7 @@ impl Allocator {
             reuse_addresses: options.reuse_addresses,
             near_fit_per_1024: (options.near_fit * 1024.0).round() as u64,
             carve_per_1024: (options.carve * 1024.0).round() as u64,
-            carve_repeated_per_1024: (options.carve_repeated.unwrap_or(options.carve) * 1024.0)
-                .round() as u64,
+            carve_repeated_per_1024: (options.carve_repeated * 1024.0).round() as u64,
             defer_free_events: options.deferred_free_events,
         };
         let background = options.background;

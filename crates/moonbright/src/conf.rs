@@ -45,7 +45,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("reuse_addresses", "true or false: new ranges at unmapped addresses before fresh ones"),
     ("near_fit", "a fraction in [0, 1]: cached ranges this much larger than a request serve it whole"),
     ("carve", "a fraction in [0, 1]: unused pages of carved arenas allowed, of the peak in use; 0: off"),
-    ("carve_repeated", "a fraction in [0, 1]: carve's budget for a request of a size seen recently"),
+    ("carve_repeated", "a fraction in [0, 1]: carving's budget for a request of a size seen recently"),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("ipc", "true or false: chunks can be exported to other processes"),
     (
@@ -209,7 +209,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             if !(0.0..=1.0).contains(&f) {
                 return Err(bad(name, v));
             }
-            opts.carve_repeated = Some(f);
+            opts.carve_repeated = f;
         }
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
@@ -392,7 +392,7 @@ mod tests {
             assert!(apply_pairs(Options::default(), [("carve_repeated", bad)]).is_err(), "{bad}");
         }
         let o = apply_pairs(Options::default(), [("carve_repeated", "0.02")]).unwrap();
-        assert_eq!((o.carve_repeated, Options::default().carve_repeated), (Some(0.02), None));
+        assert_eq!((o.carve_repeated, Options::default().carve_repeated), (0.02, 0.01));
         let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
         assert!(!o.reuse_addresses && Options::default().reuse_addresses);
         assert!(apply_pairs(Options::default(), [("reuse_addresses", "maybe")]).is_err());

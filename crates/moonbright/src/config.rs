@@ -113,11 +113,15 @@ pub struct Options {
     /// stolen for other ranges, so they count as held memory. 0 turns carving off. 0 to 1.
     pub carve: f64,
     /// Carving's budget for a request whose exact size a recent request had too, in place of
-    /// `carve` (`None`: `carve`'s). A training loop asks for the same sizes every step, and
-    /// there the pages carving leaves unused serve the next step's requests; in a random mix
-    /// of sizes they mostly stay unused. So a larger budget here lets repeated steps carve
-    /// more without letting a random mix hold more (docs/design.md, "Carved arenas"). 0 to 1.
-    pub carve_repeated: Option<f64>,
+    /// `carve`. A training loop asks for the same sizes every step, and there the pages
+    /// carving leaves unused serve the next step's requests; in a random mix of sizes they
+    /// mostly stay unused. So a larger budget here lets repeated steps carve more without
+    /// letting a random mix hold more. It is a fraction of the peak bytes in use or of twice
+    /// the headroom below that peak, whichever is less: a step reaches its peak every step,
+    /// and pages a carving near it leaves unused are held there (docs/design.md, "Carved
+    /// arenas"). 0: no budget of their own, every size carves under `carve` (and `carve` 0
+    /// turns all carving off). 0 to 1.
+    pub carve_repeated: f64,
     /// For a process that keeps one allocator per GPU (the Python package): whether each GPU's
     /// allocator grants the other GPUs it allocates on access to its memory (copies between
     /// GPUs need it; each peer makes every new mapping's set access cost more). An `Allocator`
@@ -175,7 +179,7 @@ impl Default for Options {
             reuse_addresses: true,
             near_fit: 0.125,
             carve: 0.005,
-            carve_repeated: None,
+            carve_repeated: 0.01,
             peer_access: true,
             ipc: true,
             captures_announced: false,
@@ -248,8 +252,8 @@ impl Options {
         if !(0.0..=1.0).contains(&self.carve) {
             return bad("carve", format!("{} is not in [0, 1]", self.carve));
         }
-        if let Some(f) = self.carve_repeated.filter(|f| !(0.0..=1.0).contains(f)) {
-            return bad("carve_repeated", format!("{f} is not in [0, 1]"));
+        if !(0.0..=1.0).contains(&self.carve_repeated) {
+            return bad("carve_repeated", format!("{} is not in [0, 1]", self.carve_repeated));
         }
         if self.unmap_batch_ranges == 0 {
             return bad("unmap_batch_ranges", "must be at least 1".into());
@@ -315,8 +319,8 @@ mod tests {
             ),
             ("near_fit", Options { near_fit: 1.5, ..Default::default() }),
             ("near_fit", Options { near_fit: f64::NAN, ..Default::default() }),
-            ("carve_repeated", Options { carve_repeated: Some(-0.5), ..Default::default() }),
-            ("carve_repeated", Options { carve_repeated: Some(f64::NAN), ..Default::default() }),
+            ("carve_repeated", Options { carve_repeated: -0.5, ..Default::default() }),
+            ("carve_repeated", Options { carve_repeated: f64::NAN, ..Default::default() }),
             ("unmap_batch_ranges", Options { unmap_batch_ranges: 0, ..Default::default() }),
             ("unmap_batch_bytes", Options { unmap_batch_bytes: 0, ..Default::default() }),
             ("va_reserve_factor", Options { va_reserve_factor: 0, ..Default::default() }),

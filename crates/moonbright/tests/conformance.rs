@@ -1359,16 +1359,19 @@ fn carving_keeps_its_unused_pages_within_the_budget() {
 
 /// `carve_repeated` is carving's budget for a request of a size a recent request had, `carve`
 /// the one for other sizes: a page asked for again (one is live) is carved under the first, a
-/// page and a byte (never asked for) under the second.
+/// page and a byte (never asked for) under the second; `carve` 0 turns both off, and
+/// `carve_repeated` 0 leaves every size under `carve`. The first is tapered to none at the
+/// peak in use, the second is not.
 #[test]
 fn a_repeated_size_carves_under_its_own_budget() {
-    for (carve, carve_repeated, repeated, carved) in [
-        (0.0, Some(1.0), true, true),
-        (0.0, Some(1.0), false, false),
-        (0.0, None, true, false),
-        (1.0, Some(0.0), true, false),
-        (1.0, Some(0.0), false, true),
-        (1.0, None, true, true),
+    for (carve, carve_repeated, repeated, at_peak, carved) in [
+        (0.001, 1.0, true, false, true),
+        (0.001, 1.0, false, false, false),
+        (0.0, 1.0, true, false, false),
+        (1.0, 0.0, true, false, true),
+        (0.001, 0.0, true, false, false),
+        (1.0, 1.0, true, true, false),
+        (1.0, 1.0, false, true, true),
     ] {
         let a = Allocator::new(Options { carve, carve_repeated, ..host_options() }).unwrap();
         let page = a.page_size();
@@ -1376,11 +1379,19 @@ fn a_repeated_size_carves_under_its_own_budget() {
         let first = a.malloc(page).unwrap();
         let twelve = a.malloc(12 * page).unwrap();
         a.free(twelve).unwrap();
+        if at_peak {
+            // The peak in use falls to the ten pages live, so the request makes a new one.
+            a.reset_peak_stats();
+        }
         let before = vmm(&a);
-        // Not within `near_fit` of the twelve pages cached: carved, or mapped.
+        // Not within `near_fit` of the twelve pages cached: carved, or mapped. Away from the
+        // peak, the budget is of the 22 pages of the peak (half of it is 11 pages of
+        // headroom, which the request leaves); at the peak the request is 1 page over it.
         let size = if repeated { page } else { page + 1 };
         let p = a.malloc(size).unwrap();
-        let case = format!("carve {carve}, carve_repeated {carve_repeated:?}, repeated {repeated}");
+        let case = format!(
+            "carve {carve}, carve_repeated {carve_repeated}, repeated {repeated}, at peak {at_peak}"
+        );
         assert_eq!(a.stats().carved_arenas == 1, carved, "{case}");
         assert_eq!(vmm(&a) == before, carved, "{case}: a driver call unless carved");
         a.check_invariants().unwrap();

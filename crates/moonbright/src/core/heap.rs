@@ -81,6 +81,13 @@ const CARVE_RANGES: usize = 16;
 const CARVE_GROUPS: usize = 8;
 const CARVE_CHUNKS_SEEN: usize = 512;
 
+/// A repeated size's carving budget (`Options::carve_repeated`) is of the lesser of the peak
+/// bytes in use and this many times the headroom below the peak: whole up to half the peak,
+/// none at the peak. A training step reaches its peak every step, and the pages a carving near
+/// it leaves unused are held there; a random mix stays near its peak, where a taper would
+/// turn carving off, so other sizes' budget has none (docs/design.md, "Carved arenas").
+const CARVE_TAPER: u64 = 2;
+
 /// Where a carved arena is cut from: a cached range (its sequence number), or a group of cached
 /// neighbours (its start and end).
 #[derive(Clone, Copy)]
@@ -297,8 +304,8 @@ pub(crate) struct Limits {
     /// Carved arenas may leave this many 1024ths of the peak bytes in use unused
     /// (`Options::carve`; 0: no carving).
     pub carve_per_1024: u64,
-    /// That budget for a request whose exact size a recent request had too
-    /// (`Options::carve_repeated`).
+    /// That budget for a request whose exact size a recent request had too, of the lesser of
+    /// the peak and `CARVE_TAPER` times the headroom below it (`Options::carve_repeated`).
     pub carve_repeated_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
@@ -618,15 +625,15 @@ impl Heap {
         Some(ptr)
     }
 
-    /// Whether carving is on (`Options::carve`, `Options::carve_repeated`).
+    /// Whether carving is on (`Options::carve`; 0 turns it off, repeated sizes included).
     fn carving(&self) -> bool {
-        self.lim.carve_per_1024 > 0 || self.lim.carve_repeated_per_1024 > 0
+        self.lim.carve_per_1024 > 0
     }
 
-    /// Whether carving's budget depends on a request's size having come before, and so
-    /// whether the sizes of requests are kept (`sizes`): not when the two budgets are equal.
+    /// Whether requests' sizes are kept (`sizes`), for carving's budget for repeated sizes
+    /// (none: every size carves under `carve_per_1024`).
     fn tells_repeated(&self) -> bool {
-        self.lim.carve_repeated_per_1024 != self.lim.carve_per_1024
+        self.carving() && self.lim.carve_repeated_per_1024 > 0
     }
 
     /// Carves a request out of a mapped run of cached chunks where it lies: of the smallest
@@ -637,19 +644,22 @@ impl Heap {
     /// cached, so what the arena leaves unused lies inside its first chunk; and the run is
     /// taken only if the carved arenas' unused bytes then stay within the budget: of the peak
     /// bytes in use (what held memory is measured against; a training step's low points would
-    /// otherwise carve nothing), `carve_repeated_per_1024` for a size a recent request had
-    /// (`repeated`), else `carve_per_1024`.
+    /// otherwise carve nothing), `carve_per_1024`; for a size a recent request had
+    /// (`repeated`), `carve_repeated_per_1024` of the peak or of `CARVE_TAPER` times the
+    /// headroom below it, whichever is less.
     fn start_carving(&mut self, size: u64, pages: u64, stream: u64, repeated: bool) -> Option<u64> {
-        let per_1024 =
-            if repeated { self.lim.carve_repeated_per_1024 } else { self.lim.carve_per_1024 };
-        if per_1024 == 0 {
+        if !self.carving() {
             return None;
         }
         // The pages a new arena may leave unused; none left, no search (most misses in a
         // repeated training step's later passes, where carving has used up the budget).
-        let in_use =
-            self.stats.active_bytes.peak.max(self.stats.active_bytes.current + self.bytes(pages));
-        let budget = in_use / 1024 * per_1024;
+        let now = self.stats.active_bytes.current + self.bytes(pages);
+        let peak = self.stats.active_bytes.peak.max(now);
+        let budget = if repeated {
+            peak.min(CARVE_TAPER * (peak - now)) / 1024 * self.lim.carve_repeated_per_1024
+        } else {
+            peak / 1024 * self.lim.carve_per_1024
+        };
         let allowed = budget.checked_sub(self.carved.free_bytes())? / self.lim.page;
         // (spare pages, where the run lies: a cached range's sequence number, or the start
         // and end of a group of cached neighbours; the run's first chunk and one past its
