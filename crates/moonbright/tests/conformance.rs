@@ -876,9 +876,13 @@ suite!(host_deferred, Some(host_deferred_options()));
 suite!(cuda, cuda_options());
 suite!(cuda_deferred, cuda_deferred_options());
 // Carving on, with room for it to run often: ranges of chunks cut page-granular.
-suite!(host_carve, Some(Options { carve: 1.0, ..host_options() }));
-suite!(host_carve_deferred, Some(Options { carve: 1.0, ..host_deferred_options() }));
-suite!(cuda_carve, cuda_options().map(|o| Options { carve: 1.0, ..o }));
+// Every size under `carve` (`carve_repeated` 0), so that repeated sizes carve as much.
+suite!(host_carve, Some(Options { carve: 1.0, carve_repeated: 0.0, ..host_options() }));
+suite!(
+    host_carve_deferred,
+    Some(Options { carve: 1.0, carve_repeated: 0.0, ..host_deferred_options() })
+);
+suite!(cuda_carve, cuda_options().map(|o| Options { carve: 1.0, carve_repeated: 0.0, ..o }));
 
 #[test]
 fn history_and_segments_describe_what_happened() {

@@ -17,6 +17,8 @@ const PAGE: usize = 64 << 10;
 fn tight_carving(carve: f64) -> Allocator {
     let opts = Options {
         carve,
+        // At `carve` 1.0 every size carves that much, repeated ones too.
+        carve_repeated: if carve == 1.0 { 0.0 } else { Options::default().carve_repeated },
         cap_fraction: 1.0,
         max_chunk_bytes: 4 * PAGE as u64,
         large_chunk_bytes: 8 * PAGE as u64,

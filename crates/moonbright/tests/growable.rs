@@ -417,7 +417,7 @@ fn resizing_on_a_capturing_stream_is_refused_and_changes_nothing() {
 /// 10 s, then failed as a driver error, before session 33's fix).
 #[test]
 fn a_growth_short_of_memory_does_not_wait_for_carved_space() {
-    let a = Allocator::new(Options { carve: 1.0, ..opts(false) }).unwrap();
+    let a = Allocator::new(Options { carve: 1.0, carve_repeated: 0.0, ..opts(false) }).unwrap();
     let big = a.malloc(60 * PAGE).unwrap();
     a.free(big).unwrap();
     // Thirty pages carved out of the last eight chunks: two pages of them stay free.

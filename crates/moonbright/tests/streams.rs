@@ -933,7 +933,8 @@ fn deferred_free_events_come_from_the_worker_and_release_unused() {
 /// range does (its stream takes it back at once for its size, others after the free).
 #[test]
 fn carved_blocks_follow_the_same_order() {
-    let a = Allocator::new(Options { carve: 1.0, ..opts(false) }).unwrap();
+    // Every size under `carve`, repeated ones too (`carve_repeated` 0).
+    let a = Allocator::new(Options { carve: 1.0, carve_repeated: 0.0, ..opts(false) }).unwrap();
     let s = streams(&a, 2);
     let keep = a.malloc(8 * PAGE).unwrap();
     let eight = a.malloc(8 * PAGE).unwrap();
