@@ -594,7 +594,6 @@ impl Heap {
             });
         }
         let pages = size.div_ceil(self.lim.page);
-        let repeated = self.tells_repeated() && self.sizes.contains(size);
         if let Some(ptr) = self.take_carved(size, pages, stream) {
             return Ok(Fast::Done(ptr));
         }
@@ -605,6 +604,7 @@ impl Heap {
         if let Some(id) = self.take_near(pages, near_run) {
             return Ok(Fast::Done(self.finish_range(id, size, stream)));
         }
+        let repeated = self.tells_repeated() && self.sizes.contains(size);
         if let Some(ptr) = self.start_carving(size, pages, stream, repeated) {
             return Ok(Fast::Done(ptr));
         }
