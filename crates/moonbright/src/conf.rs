@@ -117,9 +117,18 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     };
     let v = value.trim();
     let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
+    // A size that must not be 0.
+    let some_bytes = || bytes().and_then(|b| (b > 0).then_some(b).ok_or_else(|| bad(name, v)));
     // A chunk size (`config::valid_chunk_size`).
     let chunk =
         || bytes().and_then(|b| valid_chunk_size(b).then_some(b).ok_or_else(|| bad(name, v)));
+    // A count that must not be 0.
+    let count = || v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad(name, v));
+    // A fraction in [0, 1].
+    let fraction = || {
+        let f = v.parse::<f64>().map_err(|_| bad(name, v))?;
+        (0.0..=1.0).contains(&f).then_some(f).ok_or_else(|| bad(name, v))
+    };
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {
@@ -130,13 +139,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
         }
         "device" => opts.device = v.parse::<u16>().map_err(|_| bad(name, v))? as i32,
-        "cap" => {
-            let b = bytes()?;
-            if b == 0 {
-                return Err(bad(name, v));
-            }
-            opts.cap_bytes = Some(b);
-        }
+        "cap" => opts.cap_bytes = Some(some_bytes()?),
         "cap_fraction" => {
             let f: f64 = v.parse().map_err(|_| bad(name, v))?;
             if !(f > 0.0 && f <= 1.0) {
@@ -151,66 +154,26 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
             opts.host_page_size = b as usize;
         }
-        "host_capacity" => {
-            let b = bytes()?;
-            if b == 0 {
-                return Err(bad(name, v));
-            }
-            opts.host_capacity = b;
-        }
+        "host_capacity" => opts.host_capacity = some_bytes()?,
         "max_chunk" => opts.max_chunk_bytes = chunk()?,
         "large_chunk" => opts.large_chunk_bytes = chunk()?,
         "largest_chunk" => opts.largest_chunk_bytes = chunk()?,
         "unmap_batch" => {
-            let n: usize = v.parse().map_err(|_| bad(name, v))?;
-            if n == 0 {
-                return Err(bad(name, v));
-            }
-            opts.unmap_batch_ranges = n;
+            opts.unmap_batch_ranges = usize::try_from(count()?).map_err(|_| bad(name, v))?;
         }
         "unmap_run_handles" => {
             opts.unmap_run_handles = v.parse().map_err(|_| bad(name, v))?;
         }
-        "unmap_batch_bytes" => {
-            let b = bytes()?;
-            if b == 0 {
-                return Err(bad(name, v));
-            }
-            opts.unmap_batch_bytes = b;
-        }
+        "unmap_batch_bytes" => opts.unmap_batch_bytes = some_bytes()?,
         "unmap_batch_age_us" => opts.unmap_batch_age_us = v.parse().map_err(|_| bad(name, v))?,
         "background" => opts.background = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "prefetch_window_min" => opts.prefetch_window_min = bytes()?,
         "prefetch_window_max" => opts.prefetch_window_max = bytes()?,
-        "window_refill_pages" => {
-            let n: u64 = v.parse().map_err(|_| bad(name, v))?;
-            if n == 0 {
-                return Err(bad(name, v));
-            }
-            opts.window_refill_pages = n;
-        }
+        "window_refill_pages" => opts.window_refill_pages = count()?,
         "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
-        "near_fit" => {
-            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
-            if !(0.0..=1.0).contains(&f) {
-                return Err(bad(name, v));
-            }
-            opts.near_fit = f;
-        }
-        "carve" => {
-            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
-            if !(0.0..=1.0).contains(&f) {
-                return Err(bad(name, v));
-            }
-            opts.carve = f;
-        }
-        "carve_repeated" => {
-            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
-            if !(0.0..=1.0).contains(&f) {
-                return Err(bad(name, v));
-            }
-            opts.carve_repeated = f;
-        }
+        "near_fit" => opts.near_fit = fraction()?,
+        "carve" => opts.carve = fraction()?,
+        "carve_repeated" => opts.carve_repeated = fraction()?,
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
@@ -353,6 +316,13 @@ mod tests {
             ("largest_chunk:128GiB", "largest_chunk", "power of two"),
             ("unmap_batch:0", "unmap_batch", "1 or more"),
             ("unmap_batch_bytes:x", "unmap_batch_bytes", "bytes"),
+            ("unmap_batch_bytes:0", "unmap_batch_bytes", "bytes"),
+            ("host_capacity:0", "host_capacity", "simulated memory"),
+            ("window_refill_pages:0", "window_refill_pages", "1 or more"),
+            ("window_refill_pages:-2", "window_refill_pages", "1 or more"),
+            ("near_fit:1.5", "near_fit", "[0, 1]"),
+            ("carve:-0.5", "carve", "[0, 1]"),
+            ("carve_repeated:NaN", "carve_repeated", "[0, 1]"),
             ("validate:maybe", "validate", "true or false"),
         ] {
             let (name, reason) = err_of(text);

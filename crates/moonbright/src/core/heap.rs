@@ -678,37 +678,40 @@ impl Heap {
             best.is_some_and(|b| b.0 == 0)
         };
         let mut seen = 0;
-        for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
-            if seen >= CARVE_CHUNKS_SEEN {
-                break;
-            }
-            let chunks = &self.range(self.cached_lru[&seq]).chunks;
-            let skip = chunks.len().saturating_sub(CARVE_CHUNKS_SEEN - seen);
-            seen += chunks.len() - skip;
-            let size = |i: usize| self.pool.get(chunks[skip + i]).pages;
-            if consider(Carve::Range(seq), skip, chunks.len() - skip, &size) {
-                seen = CARVE_CHUNKS_SEEN;
-                break;
-            }
-        }
-        let mut ids: Vec<ChunkId> = Vec::new();
-        for &(p, start) in self.cached_groups_by_size.range((pages + 1, 0)..).take(CARVE_GROUPS) {
-            if seen >= CARVE_CHUNKS_SEEN {
-                break;
-            }
-            let end = start + self.bytes(p);
-            ids.clear();
-            for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
-                if ids.len() >= CARVE_CHUNKS_SEEN - seen {
+        // A run that spares nothing ends the search.
+        'search: {
+            for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
+                if seen >= CARVE_CHUNKS_SEEN {
                     break;
                 }
-                ids.extend(self.range(id).chunks.iter().copied());
+                let chunks = &self.range(self.cached_lru[&seq]).chunks;
+                let skip = chunks.len().saturating_sub(CARVE_CHUNKS_SEEN - seen);
+                seen += chunks.len() - skip;
+                let size = |i: usize| self.pool.get(chunks[skip + i]).pages;
+                if consider(Carve::Range(seq), skip, chunks.len() - skip, &size) {
+                    break 'search;
+                }
             }
-            ids.truncate(CARVE_CHUNKS_SEEN - seen);
-            seen += ids.len();
-            let size = |i: usize| self.pool.get(ids[i]).pages;
-            if consider(Carve::Group(start, end), 0, ids.len(), &size) {
-                break;
+            let mut ids: Vec<ChunkId> = Vec::new();
+            for &(p, start) in self.cached_groups_by_size.range((pages + 1, 0)..).take(CARVE_GROUPS)
+            {
+                if seen >= CARVE_CHUNKS_SEEN {
+                    break;
+                }
+                let end = start + self.bytes(p);
+                ids.clear();
+                for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
+                    if ids.len() >= CARVE_CHUNKS_SEEN - seen {
+                        break;
+                    }
+                    ids.extend(self.range(id).chunks.iter().copied());
+                }
+                ids.truncate(CARVE_CHUNKS_SEEN - seen);
+                seen += ids.len();
+                let size = |i: usize| self.pool.get(ids[i]).pages;
+                if consider(Carve::Group(start, end), 0, ids.len(), &size) {
+                    break 'search;
+                }
             }
         }
         let (spare, at, a, b) = best?;

@@ -262,6 +262,9 @@ impl Shared {
     }
 
     /// Notes that an announced capture has ended (or failed to begin). Extra calls are ignored.
+    // `fetch_update` is deprecated for `try_update` on newer toolchains (nightly warns), which
+    // Rust 1.80, this crate's `rust-version`, lacks.
+    #[allow(deprecated)]
     pub fn capture_finished(&self) {
         let _ = self
             .captures_in_progress
