@@ -16,7 +16,7 @@ One allocator per CUDA device, process-wide, created at first use from the envir
 
 Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB GiB KB MB GB:
 ``cap:12GiB``), ``cap_fraction``, ``host_page_size``, ``host_capacity``, ``max_chunk``,
-``large_chunk``, ``largest_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
+``max_chunk_repeated`` (the largest new chunk for a size asked for recently), ``large_chunk``, ``largest_chunk``, ``unmap_batch``, ``unmap_batch_bytes``, ``unmap_run_handles``, ``reuse_addresses`` (true|false),
 ``near_fit`` (0 to 1: how much larger a cached range may be and still serve a request whole),
 ``carve`` (0 to 1: the unused pages carving may leave in cached ranges it cuts, of the peak in
 use), ``carve_repeated`` (0 to 1: that budget for a request of a size asked for recently, as a

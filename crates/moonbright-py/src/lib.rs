@@ -332,6 +332,7 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     d.set_item("host_page_size", o.host_page_size)?;
     d.set_item("host_capacity", o.host_capacity)?;
     d.set_item("max_chunk", o.max_chunk_bytes)?;
+    d.set_item("max_chunk_repeated", o.max_chunk_repeated_bytes)?;
     d.set_item("large_chunk", o.large_chunk_bytes)?;
     d.set_item("largest_chunk", o.largest_chunk_bytes)?;
     d.set_item("unmap_batch", o.unmap_batch_ranges)?;

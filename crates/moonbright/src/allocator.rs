@@ -221,6 +221,8 @@ impl Allocator {
             });
         }
         let max_chunk_pages = (options.max_chunk_bytes / page).max(1);
+        let repeated_chunk_pages =
+            (options.max_chunk_repeated_bytes / page).clamp(1, max_chunk_pages);
         let large_chunk_pages = (options.large_chunk_bytes / page).max(max_chunk_pages);
         let largest_chunk_pages = (options.largest_chunk_bytes / page).max(large_chunk_pages);
         let total_pages = info.total.div_ceil(page);
@@ -228,6 +230,7 @@ impl Allocator {
             page,
             cap,
             max_chunk_pages,
+            repeated_chunk_pages,
             large_chunk_pages,
             largest_chunk_pages,
             reserve_bytes: total_pages * page * options.va_reserve_factor,

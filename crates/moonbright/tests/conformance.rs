@@ -1406,6 +1406,44 @@ fn a_repeated_size_carves_under_its_own_budget() {
     }
 }
 
+/// New memory for a size asked for before comes in chunks of at most
+/// `max_chunk_repeated_bytes`; a new size, and a need of `large_chunk_bytes` or more, keep
+/// theirs. It does not depend on carving (whose budget for repeated sizes uses the same table).
+#[test]
+fn a_repeated_size_gets_smaller_new_chunks() {
+    let page = 64u64 << 10;
+    for (repeated_chunk, carve, cut) in
+        [(2 * page, 0.005, true), (2 * page, 0.0, true), (4 * page, 0.005, false)]
+    {
+        let opts = Options {
+            max_chunk_repeated_bytes: repeated_chunk,
+            large_chunk_bytes: 16 * page,
+            carve,
+            ..host_options()
+        };
+        let a = Allocator::new(opts).unwrap();
+        assert_eq!(a.page_size() as u64, page);
+        let chunks = |at: u64| a.segments().into_iter().find(|s| s.addr == at).unwrap().chunks;
+        let case = format!("max_chunk_repeated {repeated_chunk}, carve {carve}");
+        let eight = (8 * page) as usize;
+        let first = a.malloc(eight).unwrap();
+        assert_eq!(chunks(first), 2, "{case}: a new size, in chunks of max_chunk");
+        let again = a.malloc(eight).unwrap();
+        assert_eq!(chunks(again), if cut { 4 } else { 2 }, "{case}: the same size again");
+        let six = a.malloc((6 * page) as usize).unwrap();
+        assert_eq!(chunks(six), 2, "{case}: another new size");
+        let large = (16 * page) as usize;
+        let big = a.malloc(large).unwrap();
+        let big_again = a.malloc(large).unwrap();
+        assert_eq!((chunks(big), chunks(big_again)), (1, 1), "{case}: large needs keep theirs");
+        a.check_invariants().unwrap();
+        for p in [first, again, six, big, big_again] {
+            a.free(p).unwrap();
+        }
+        gives_everything_back(&a);
+    }
+}
+
 /// Carving takes the run of cached chunks that spares the fewest pages, wherever it lies in a
 /// range, and across cached neighbours when no one range is large enough; all with no driver
 /// call.

@@ -276,6 +276,9 @@ pub(crate) struct Limits {
     pub cap: u64,
     /// Largest chunk, in pages.
     pub max_chunk_pages: u64,
+    /// Largest new chunk for a request whose exact size a recent request had too (at most
+    /// `max_chunk_pages`; `Options::max_chunk_repeated_bytes`).
+    pub repeated_chunk_pages: u64,
     /// A new range that needs at least this many new pages creates them in large chunks (at
     /// least `max_chunk_pages`).
     pub large_chunk_pages: u64,
@@ -636,6 +639,17 @@ impl Heap {
         self.carving() && self.lim.carve_repeated_per_1024 > 0
     }
 
+    /// Whether a repeated size's new memory comes in smaller chunks
+    /// (`Options::max_chunk_repeated_bytes`).
+    fn cuts_repeated(&self) -> bool {
+        self.lim.repeated_chunk_pages < self.lim.max_chunk_pages
+    }
+
+    /// Whether requests' sizes are kept (`sizes`), for either use of them.
+    fn keeps_sizes(&self) -> bool {
+        self.tells_repeated() || self.cuts_repeated()
+    }
+
     /// Carves a request out of a mapped run of cached chunks where it lies: of the smallest
     /// cached ranges larger than `pages`, and then of the smallest groups of cached neighbours
     /// (`cached_groups`), the run of consecutive chunks that holds the request with the fewest
@@ -860,7 +874,7 @@ impl Heap {
             self.stats.subpage_allocations += 1;
         }
         self.count(size, rounded);
-        if size >= self.lim.page && self.tells_repeated() {
+        if size >= self.lim.page && self.keeps_sizes() {
             self.sizes.insert(size);
         }
         self.recent_free_gen.remove(&ptr);
@@ -1568,15 +1582,21 @@ impl Heap {
         let mut release = Vec::new();
         let mut create = Vec::new();
         let mut spare = Vec::new();
-        let cap = self.chunk_cap(left, large);
+        // A size asked for before (`requested` is the request's bytes) will likely come back
+        // beside other sizes, as a training step's do: smaller chunks let later requests of
+        // other sizes reuse its memory with fewer pages to spare.
+        let repeated = large && self.cuts_repeated() && self.sizes.contains(requested);
+        let cap = self.chunk_cap(left, large, repeated);
         if left > 0 && self.pool.has_bare_larger_than(left) {
             match self.pool.take_unmapped_bare_larger_than(left) {
                 Some(c) => {
                     let chunk = self.pool.get(c);
                     release.push((c, chunk.handle, chunk.pages));
                     create = chunk_plan(left, cap);
-                    spare =
-                        chunk_plan(chunk.pages - left, self.chunk_cap(chunk.pages - left, large));
+                    spare = chunk_plan(
+                        chunk.pages - left,
+                        self.chunk_cap(chunk.pages - left, large, false),
+                    );
                     left = 0;
                 }
                 None => {
@@ -1615,10 +1635,13 @@ impl Heap {
     /// it is the largest power of two the need holds (up to `largest_chunk_pages`): a large
     /// need below twice that then takes at most two handles, where a lone `cuMemCreate` takes
     /// one. Smaller needs, and growables (`large` false, they shrink by whole chunks), keep
-    /// `max_chunk_pages` so that stitching keeps its freedom.
-    fn chunk_cap(&self, pages: u64, large: bool) -> u64 {
+    /// `max_chunk_pages` so that stitching keeps its freedom, and a smaller need of a size
+    /// asked for before (`repeated`) `repeated_chunk_pages`.
+    fn chunk_cap(&self, pages: u64, large: bool, repeated: bool) -> u64 {
         if large && pages >= self.lim.large_chunk_pages {
             (1u64 << pages.ilog2()).clamp(self.lim.large_chunk_pages, self.lim.largest_chunk_pages)
+        } else if repeated {
+            self.lim.repeated_chunk_pages
         } else {
             self.lim.max_chunk_pages
         }
@@ -2853,6 +2876,7 @@ mod tests {
             page: 1,
             cap: 1 << 20,
             max_chunk_pages: 1,
+            repeated_chunk_pages: 1,
             large_chunk_pages: 1,
             largest_chunk_pages: 1,
             reserve_bytes: 1 << 20,
