@@ -221,8 +221,10 @@ impl Allocator {
             });
         }
         let max_chunk_pages = (options.max_chunk_bytes / page).max(1);
-        let repeated_chunk_pages =
-            (options.max_chunk_repeated_bytes / page).clamp(1, max_chunk_pages);
+        let repeated_chunk_pages = match options.max_chunk_repeated_bytes {
+            0 => max_chunk_pages,
+            b => (b / page).clamp(1, max_chunk_pages),
+        };
         let large_chunk_pages = (options.large_chunk_bytes / page).max(max_chunk_pages);
         let largest_chunk_pages = (options.largest_chunk_bytes / page).max(large_chunk_pages);
         let total_pages = info.total.div_ceil(page);

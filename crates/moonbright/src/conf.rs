@@ -28,7 +28,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("max_chunk", "bytes: a power of two of at most 64GiB"),
     (
         "max_chunk_repeated",
-        "bytes: a power of two of at most 64GiB; new chunks of a size asked for recently are at most this large",
+        "bytes: 0 (as max_chunk) or a power of two of at most 64GiB; new chunks of a size asked for recently are at most this large",
     ),
     (
         "large_chunk",
@@ -160,7 +160,12 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         }
         "host_capacity" => opts.host_capacity = some_bytes()?,
         "max_chunk" => opts.max_chunk_bytes = chunk()?,
-        "max_chunk_repeated" => opts.max_chunk_repeated_bytes = chunk()?,
+        "max_chunk_repeated" => {
+            opts.max_chunk_repeated_bytes = match bytes()? {
+                0 => 0,
+                _ => chunk()?,
+            }
+        }
         "large_chunk" => opts.large_chunk_bytes = chunk()?,
         "largest_chunk" => opts.largest_chunk_bytes = chunk()?,
         "unmap_batch" => {
@@ -317,7 +322,7 @@ mod tests {
             ("cap_fraction:nan", "cap_fraction", "(0, 1]"),
             ("host_page_size:3000", "host_page_size", "power of two"),
             ("max_chunk:3MiB", "max_chunk", "power of two"),
-            ("max_chunk_repeated:0", "max_chunk_repeated", "power of two"),
+            ("max_chunk_repeated:3MiB", "max_chunk_repeated", "power of two"),
             ("large_chunk:3MiB", "large_chunk", "power of two"),
             ("largest_chunk:128GiB", "largest_chunk", "power of two"),
             ("unmap_batch:0", "unmap_batch", "1 or more"),

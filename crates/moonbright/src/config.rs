@@ -53,14 +53,16 @@ pub struct Options {
     pub max_chunk_bytes: u64,
     /// Largest new chunk for a request whose exact size a recent request had too (the sizes
     /// `carve_repeated` knows), when that request must create memory below
-    /// `large_chunk_bytes`. A training step asks for the same sizes every step, and its memory
-    /// is reused by other sizes between them: smaller chunks leave fewer pages to spare when
-    /// it is stitched or carved for those, so later steps map less. A random mix of sizes
-    /// rarely repeats one and keeps `max_chunk_bytes`, with its fewer handles a request. 32
-    /// MiB by default: on the H200, ResNet-50's later passes mapped a quarter fewer times and
-    /// GPT-2's a third fewer than with 64 MiB, for as much memory or less, and the stress
-    /// mapped 3% more handles (docs/design.md, "Chunks for repeated sizes"). A power of two of
-    /// at most 64 GiB; at or above `max_chunk_bytes` it changes nothing.
+    /// `large_chunk_bytes`; 0 (the default): `max_chunk_bytes`, as for other sizes. A training
+    /// step asks for the same sizes every step, and its memory is reused by other sizes
+    /// between them: smaller chunks leave fewer pages to spare when it is stitched or carved
+    /// for those, so later steps map less, while a random mix of sizes rarely repeats one and
+    /// keeps its fewer handles a request. At 32 MiB, ResNet-50's later passes mapped 10-25%
+    /// fewer times on the H200 and GPT-2's up to a third fewer, for as much memory or less.
+    /// The price, and why it is not the default: a cold request of 33-64 MiB of a size asked
+    /// for before maps two handles instead of one, 1.2-1.6x raw VMM's time where one handle
+    /// meets it (docs/design.md, "Chunks for repeated sizes"). 0 or a power of two of at most
+    /// 64 GiB; at or above `max_chunk_bytes` it changes nothing.
     pub max_chunk_repeated_bytes: u64,
     /// A request that must create at least this many bytes of new memory creates it in large
     /// chunks instead of chunks of `max_chunk_bytes`: a cold 1 GiB allocation maps one handle
@@ -177,7 +179,7 @@ impl Default for Options {
             host_page_size: 2 * MIB as usize,
             host_capacity: 64 * GIB,
             max_chunk_bytes: 64 * MIB,
-            max_chunk_repeated_bytes: 32 * MIB,
+            max_chunk_repeated_bytes: 0,
             large_chunk_bytes: 128 * MIB,
             largest_chunk_bytes: 64 * GIB,
             unmap_batch_ranges: 256,
@@ -251,13 +253,19 @@ impl Options {
         }
         for (name, b) in [
             ("max_chunk_bytes", self.max_chunk_bytes),
-            ("max_chunk_repeated_bytes", self.max_chunk_repeated_bytes),
             ("large_chunk_bytes", self.large_chunk_bytes),
             ("largest_chunk_bytes", self.largest_chunk_bytes),
         ] {
             if !valid_chunk_size(b) {
                 return bad(name, format!("{b} is not a power of two of at most 64 GiB"));
             }
+        }
+        let b = self.max_chunk_repeated_bytes;
+        if b != 0 && !valid_chunk_size(b) {
+            return bad(
+                "max_chunk_repeated_bytes",
+                format!("{b} is neither 0 nor a power of two of at most 64 GiB"),
+            );
         }
         if !(0.0..=1.0).contains(&self.near_fit) {
             return bad("near_fit", format!("{} is not in [0, 1]", self.near_fit));
@@ -327,7 +335,7 @@ mod tests {
             ("max_chunk_bytes", Options { max_chunk_bytes: 3 << 20, ..Default::default() }),
             (
                 "max_chunk_repeated_bytes",
-                Options { max_chunk_repeated_bytes: 0, ..Default::default() },
+                Options { max_chunk_repeated_bytes: 3 << 20, ..Default::default() },
             ),
             ("largest_chunk_bytes", Options { largest_chunk_bytes: 3 << 30, ..Default::default() }),
             (

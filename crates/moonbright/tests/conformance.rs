@@ -1406,15 +1406,19 @@ fn a_repeated_size_carves_under_its_own_budget() {
     }
 }
 
-/// New memory for a size asked for before comes in chunks of at most
-/// `max_chunk_repeated_bytes`; a new size, and a need of `large_chunk_bytes` or more, keep
-/// theirs. It does not depend on carving (whose budget for repeated sizes uses the same table).
+/// With `max_chunk_repeated_bytes` set, new memory for a size asked for before comes in chunks
+/// of at most that size; a new size, and a need of `large_chunk_bytes` or more, keep theirs; 0
+/// (the default) and `max_chunk_bytes` change nothing. It does not depend on carving (whose
+/// budget for repeated sizes uses the same table).
 #[test]
 fn a_repeated_size_gets_smaller_new_chunks() {
     let page = 64u64 << 10;
-    for (repeated_chunk, carve, cut) in
-        [(2 * page, 0.005, true), (2 * page, 0.0, true), (4 * page, 0.005, false)]
-    {
+    for (repeated_chunk, carve, cut) in [
+        (2 * page, 0.005, true),
+        (2 * page, 0.0, true),
+        (4 * page, 0.005, false),
+        (0, 0.005, false),
+    ] {
         let opts = Options {
             max_chunk_repeated_bytes: repeated_chunk,
             large_chunk_bytes: 16 * page,

@@ -1,6 +1,7 @@
 //! Which request sizes came before: a small direct-mapped table of exact byte sizes, so that
-//! carving can tell a repeated step's requests (the same sizes every step, as in a training
-//! loop) from a random mix's (`Options::carve_repeated`, docs/design.md "Carved arenas").
+//! the heap can tell a repeated step's requests (the same sizes every step, as in a training
+//! loop) from a random mix's: for carving's budget (`Options::carve_repeated`) and for the
+//! size of new chunks (`Options::max_chunk_repeated_bytes`; docs/design.md "Carved arenas").
 
 /// Slots of the table: a step with more distinct sizes than this forgets some between steps.
 const SLOTS: usize = 4096;
