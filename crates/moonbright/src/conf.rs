@@ -372,6 +372,10 @@ mod tests {
             assert!(apply_pairs(Options::default(), [("near_fit", bad)]).is_err(), "{bad}");
             assert!(apply_pairs(Options::default(), [("carve_repeated", bad)]).is_err(), "{bad}");
         }
+        let o = apply_pairs(Options::default(), [("max_chunk_repeated", "32MiB")]).unwrap();
+        assert_eq!(o.max_chunk_repeated_bytes, 32 << 20);
+        let o = apply_pairs(o, [("max_chunk_repeated", "0")]).unwrap();
+        assert_eq!(o.max_chunk_repeated_bytes, 0, "0: as max_chunk");
         let o = apply_pairs(Options::default(), [("carve_repeated", "0.02")]).unwrap();
         assert_eq!((o.carve_repeated, Options::default().carve_repeated), (0.02, 0.01));
         let o = apply_pairs(Options::default(), [("reuse_addresses", "false")]).unwrap();
