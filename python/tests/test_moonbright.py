@@ -41,7 +41,7 @@ def test_parse_conf_values_and_errors():
     assert moonbright.parse_conf("peer_access:off")["peer_access"] is False
     assert o["near_fit"] == 0.125
     assert moonbright.parse_conf("near_fit:0.25")["near_fit"] == 0.25
-    assert o["carve"] == 0.005 and o["carve_repeated"] == 0.01
+    assert o["carve"] == 0.0025 and o["carve_repeated"] == 0.01
     assert o["max_chunk"] == 64 << 20 and o["max_chunk_repeated"] == 0
     assert moonbright.parse_conf("max_chunk_repeated:8MiB")["max_chunk_repeated"] == 8 << 20
     with pytest.raises(ValueError, match="max_chunk_repeated"):
