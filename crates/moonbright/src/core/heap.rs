@@ -15,16 +15,14 @@ use std::collections::{hash_map::Entry, BTreeMap, BTreeSet, VecDeque};
 use foldhash::{HashMap, HashMapExt};
 
 use super::chunks::Chunks;
-use super::history::{
-    shown_stream, BlockInfo, BlockState, History, HistoryAction, HistoryEvent, SegmentInfo,
-};
-use super::mapping::{Executed, MapPlan};
-use super::pool::{chunk_plan, ChunkId, Pool};
+use super::history::{History, HistoryAction, HistoryEvent};
+use super::mapping::MapPlan;
+use super::pool::{ChunkId, Pool};
 use super::sizes::RecentSizes;
 use super::stats::Stats;
 use super::streams::{Pending, Streams};
 use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
-use super::vaspace::{Retired, UnmapRun, VaSpace};
+use super::vaspace::{Retired, VaSpace};
 use super::window::Window;
 use crate::driver::{ChunkHandle, DriverError, EventHandle};
 use crate::error::{Error, Result};

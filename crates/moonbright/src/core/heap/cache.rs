@@ -2,7 +2,15 @@
 //! their groups of cached neighbours, runs split off or joined at chunk boundaries, ranges stolen
 //! for a plan, and the window of pages the background worker maps ahead.
 
-use super::*;
+use super::{
+    chunk_run, CachedRun, Heap, Range, RangeId, Step, Use, JOIN_CHUNKS_SEEN, SPLIT_CANDIDATES,
+    SPLIT_CHUNKS_SEEN, SPLIT_SLACK, STEAL_CANDIDATES, STEAL_LOOKS,
+};
+use crate::core::chunks::Chunks;
+use crate::core::mapping::{Executed, MapPlan};
+use crate::core::pool::ChunkId;
+use crate::core::vaspace::Retired;
+use crate::error::Result;
 
 impl Heap {
     pub(super) fn cache_range(&mut self, id: RangeId) {

@@ -4,7 +4,10 @@
 //! second instance of the sub-page allocator; chunks whose blocks are all freed go back to the
 //! cache. The budget for the pages carved arenas leave unused is decided here too.
 
-use super::*;
+use super::{Backing, Heap, RangeId, Use};
+use crate::core::chunks::Chunks;
+use crate::core::pool::ChunkId;
+use crate::core::subpage::{Emptied, Owner};
 
 /// Cached ranges and groups of cached neighbours a new carved arena is chosen from (the smallest
 /// first), and the chunks looked at in all. The search runs under the lock on every miss that

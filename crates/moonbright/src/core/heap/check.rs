@@ -2,7 +2,15 @@
 //! (`segments`), and the invariants `check` verifies, after every operation when
 //! `Options::validate` is set (docs/design.md, Invariants).
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use foldhash::{HashMap, HashMapExt};
+
+use super::{Backing, Heap, RangeId, Use};
+use crate::core::history::{shown_stream, BlockInfo, BlockState, SegmentInfo};
+use crate::core::pool::ChunkId;
+use crate::core::streams::Pending;
+use crate::core::subpage::SUBPAGE_ALIGN;
 
 impl Heap {
     /// Every mapped range and its blocks, in address order.

@@ -3,7 +3,15 @@
 //! claimed under the lock as a plan (`core/mapping.rs`) that runs without it, then committed, or
 //! given back if the driver failed.
 
-use super::*;
+use super::{Claim, Heap, Range, RangeId, Step, Use};
+use crate::core::chunks::Chunks;
+use crate::core::history::HistoryAction;
+use crate::core::mapping::{Executed, MapPlan};
+use crate::core::pool::{chunk_plan, ChunkId};
+use crate::core::subpage::SUBPAGE_ALIGN;
+use crate::core::vaspace::Retired;
+use crate::driver::{ChunkHandle, DriverError};
+use crate::error::{Error, Result};
 
 impl Heap {
     /// Free pages under the cap that no plan has claimed. A chunk being released still counts

@@ -2,7 +2,11 @@
 //! that wait for their chunk's old mappings, releases of chunks no range uses, and the teardown of
 //! a heap that goes away.
 
-use super::*;
+use super::{retired_ready, Claim, Heap, RangeId, Unmappable, CHUNK_SPLIT_CANDIDATES};
+use crate::core::history::HistoryAction;
+use crate::core::pool::ChunkId;
+use crate::core::vaspace::{Retired, UnmapRun};
+use crate::driver::{ChunkHandle, DriverError, EventHandle};
 
 impl Heap {
     /// Whether an unmap batch is due (by count, bytes or age).
