@@ -126,7 +126,8 @@ pub struct Options {
     /// stolen for other ranges, so they count as held memory. Frees can leave more unused than
     /// this (a chunk whose other block stays live), which is why it is small: at 0.005 the
     /// fragmentation stress held up to 1.057 of its peak over fifteen seeds, at 0.0025 up to
-    /// 1.034 (docs/design.md, "Carved arenas"). 0 turns carving off. 0 to 1.
+    /// 1.034 (docs/design.md, "Carved arenas"). Kept in 1,024ths, rounded (0.0025 is 3/1,024);
+    /// 0 turns carving off. 0 to 1.
     pub carve: f64,
     /// Carving's budget for a request whose exact size a recent request had too, in place of
     /// `carve`. A training loop asks for the same sizes every step, and there the pages
