@@ -1,0 +1,60 @@
+//! The fragmentation stress's memory target, peak reserved at most 1.05 of peak allocated, at
+//! many seeds. The benchmark runs one fixed seed on the H200; session 37 found another seed over
+//! the target with `carve` at 0.005, the default then (seed 4: 1.049-1.057 with the background
+//! worker, whose timing changes which ranges are cached when). Here the worker is off, so a run
+//! is deterministic, and which requests map, carve or steal is the policy's own; the bound
+//! leaves the worker's 0.01 of margin (`MARGIN_FOR_THE_WORKER`). At 0.005 seed 4 holds 1.049
+//! here, and this test fails; at 0.0025 the seeds hold 1.026-1.034.
+
+use moonbright::{driver::Driver, Allocator, BackendKind, Options};
+use moonbright_bench::workload::{stress_ops, Op, StressSpec};
+use moonbright_bench::{GIB, KIB, MIB};
+
+/// The benchmark's sequence at `seed`, through the default options: (peak reserved, peak
+/// allocated).
+fn stress_peaks(seed: u64) -> (u64, u64) {
+    let spec = StressSpec { seed, ops: 20_000, min: KIB, max: 512 * MIB, live_target: 60 * GIB };
+    let (ops, _) = stress_ops(&spec);
+    let a = Allocator::new(Options {
+        backend: BackendKind::Host,
+        host_capacity: 140 * GIB,
+        background: false,
+        ..Options::default()
+    })
+    .expect("a host-backend allocator");
+    let s = a.driver().create_stream().expect("a host stream");
+    let mut live = std::collections::HashMap::new();
+    for op in ops {
+        match op {
+            Op::Alloc { id, size } => {
+                let p =
+                    a.malloc_async(size as usize, s).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+                live.insert(id, p);
+            }
+            Op::Free { id, .. } => {
+                let p = live.remove(&id).expect("freed once");
+                a.free_async(p, s).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            }
+        }
+    }
+    let stats = a.stats();
+    (stats.reserved_bytes.peak, stats.allocated_bytes.peak)
+}
+
+/// How much the background worker's timing moved one seed's figure (1.049 without it, up to
+/// 1.057 with it, session 37).
+const MARGIN_FOR_THE_WORKER: f64 = 0.01;
+
+#[test]
+fn the_stress_holds_its_peak_within_the_target_at_every_seed() {
+    let bound = 1.05 - MARGIN_FOR_THE_WORKER;
+    let mut over = Vec::new();
+    for seed in (1..=12).chain([20_261_129]) {
+        let (reserved, allocated) = stress_peaks(seed);
+        let ratio = reserved as f64 / allocated as f64;
+        if ratio > bound {
+            over.push(format!("seed {seed}: {ratio:.4}"));
+        }
+    }
+    assert!(over.is_empty(), "peak reserved over peak allocated above {bound}: {over:?}");
+}
