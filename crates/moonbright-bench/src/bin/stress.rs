@@ -40,7 +40,8 @@ struct Args {
     #[arg(long)]
     no_baseline: bool,
     /// Run MoonBright on the host backend (no GPU needed): its times mean nothing, but which
-    /// requests map synchronously, and how many handles each maps, are the policy's own.
+    /// requests map synchronously, and how many handles each maps, are the policy's own; with
+    /// `MOONBRIGHT_ALLOC_CONF=background:false` the run is deterministic.
     #[arg(long)]
     host: bool,
 }
@@ -293,7 +294,10 @@ fn run() -> Res<()> {
     for (name, window) in
         [("MoonBright", moonbright_bench::default_window()), ("MoonBright (no window)", (0, 0))]
     {
-        let mut opts = mb_options(None, moonbright_bench::max_chunk(), window, true);
+        // The worker runs unless `MOONBRIGHT_ALLOC_CONF` turns it off (`background:false`,
+        // which makes a `--host` run deterministic).
+        let background = moonbright_bench::env_options().background;
+        let mut opts = mb_options(None, moonbright_bench::max_chunk(), window, background);
         if args.host {
             opts.backend = moonbright::BackendKind::Host;
             opts.host_capacity = 140 * GIB;
