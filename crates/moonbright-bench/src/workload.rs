@@ -24,6 +24,14 @@ pub struct StressSpec {
     pub live_target: u64,
 }
 
+impl StressSpec {
+    /// Issue 3's stress at `seed`: 20,000 operations, sizes log-uniform from 1 KiB to 512 MiB,
+    /// about 60 GiB live.
+    pub fn issue3(seed: u64) -> Self {
+        StressSpec { seed, ops: 20_000, min: 1 << 10, max: 512 << 20, live_target: 60 << 30 }
+    }
+}
+
 /// The sequence, and the peak of live requested bytes along it.
 pub fn stress_ops(spec: &StressSpec) -> (Vec<Op>, u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
@@ -68,13 +76,7 @@ mod tests {
 
     #[test]
     fn deterministic_and_near_target() {
-        let spec = StressSpec {
-            seed: 7,
-            ops: 20_000,
-            min: 1 << 10,
-            max: 512 << 20,
-            live_target: 60 << 30,
-        };
+        let spec = StressSpec::issue3(7);
         let (a, pa) = stress_ops(&spec);
         let (b, pb) = stress_ops(&spec);
         assert_eq!(a, b);

@@ -8,13 +8,12 @@
 
 use moonbright::{driver::Driver, Allocator, BackendKind, Options};
 use moonbright_bench::workload::{stress_ops, Op, StressSpec};
-use moonbright_bench::{GIB, KIB, MIB};
+use moonbright_bench::GIB;
 
 /// The benchmark's sequence at `seed`, through the default options: (peak reserved, peak
 /// allocated).
 fn stress_peaks(seed: u64) -> (u64, u64) {
-    let spec = StressSpec { seed, ops: 20_000, min: KIB, max: 512 * MIB, live_target: 60 * GIB };
-    let (ops, _) = stress_ops(&spec);
+    let (ops, _) = stress_ops(&StressSpec::issue3(seed));
     let a = Allocator::new(Options {
         backend: BackendKind::Host,
         host_capacity: 140 * GIB,

@@ -14,7 +14,7 @@ use moonbright::Allocator;
 use moonbright_bench::cu::{Gpu, Stream};
 use moonbright_bench::stats::{us_since, Summary};
 use moonbright_bench::workload::{stress_ops, to_csv, Op, StressSpec};
-use moonbright_bench::{main_wrapper, mb_options, Res, GIB, KIB, MIB};
+use moonbright_bench::{main_wrapper, mb_options, Res, GIB, MIB};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -265,11 +265,9 @@ struct Report {
 fn run() -> Res<()> {
     let args = Args::parse();
     let spec = StressSpec {
-        seed: args.seed,
         ops: args.ops,
-        min: KIB,
-        max: 512 * MIB,
         live_target: args.live_gib * GIB,
+        ..StressSpec::issue3(args.seed)
     };
     let (ops, peak_requested) = stress_ops(&spec);
     if let Some(path) = &args.dump_ops {
