@@ -28,7 +28,7 @@ impl Heap {
 
     /// Puts the cached range at `va..end` into its group of neighbours: the groups (or lone
     /// cached ranges) that end where it starts and start where it ends become one with it.
-    pub(super) fn group_cached(&mut self, va: u64, end: u64) {
+    fn group_cached(&mut self, va: u64, end: u64) {
         let mut start = va;
         if let Some((&at, &(_, p, _))) = self.cached_by_va.range(..va).next_back() {
             if at + self.bytes(p) == va && self.same_reservation(at, va) {
@@ -60,7 +60,7 @@ impl Heap {
 
     /// Takes the cached range at `va..end` (already out of `cached_by_va`) out of its group:
     /// what lies before and after it stays a group where two or more ranges are left.
-    pub(super) fn ungroup_cached(&mut self, va: u64, end: u64) {
+    fn ungroup_cached(&mut self, va: u64, end: u64) {
         let Some((&start, &stop)) = self.cached_groups.range(..=va).next_back() else {
             return;
         };
@@ -80,12 +80,12 @@ impl Heap {
         }
     }
 
-    pub(super) fn add_group(&mut self, start: u64, end: u64) {
+    fn add_group(&mut self, start: u64, end: u64) {
         self.cached_groups.insert(start, end);
         self.cached_groups_by_size.insert(((end - start) / self.lim.page, start));
     }
 
-    pub(super) fn remove_group(&mut self, start: u64, end: u64) {
+    fn remove_group(&mut self, start: u64, end: u64) {
         self.cached_groups.remove(&start);
         self.cached_groups_by_size.remove(&((end - start) / self.lim.page, start));
     }
@@ -154,7 +154,7 @@ impl Heap {
     /// Makes chunks `start..end` of `ids`, mapped back to back from `base` (`pages` pages in
     /// all), a range of their own (returned, out of the cache); what is left on either side is
     /// cached.
-    pub(super) fn split_chunks(
+    fn split_chunks(
         &mut self,
         base: u64,
         pages: u64,
@@ -312,7 +312,7 @@ impl Heap {
         self.steal_from_window(taken)
     }
 
-    pub(super) fn steal_from_window(&mut self, taken: Option<(u64, u64, Vec<ChunkId>)>) -> bool {
+    fn steal_from_window(&mut self, taken: Option<(u64, u64, Vec<ChunkId>)>) -> bool {
         let Some((va, got, chunks)) = taken else {
             return false;
         };

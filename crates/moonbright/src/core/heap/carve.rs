@@ -206,7 +206,7 @@ impl Heap {
     /// free has completed (Address stability). What is left on either side stays a carved arena
     /// (the part before the run keeps the range's id; a part after gets a new one, and its
     /// blocks move to it). Done as frees come, not as they complete, for the same reason.
-    pub(super) fn uncarve(&mut self, id: RangeId) {
+    fn uncarve(&mut self, id: RangeId) {
         let cuts = self.free_chunk_runs(id);
         // From the end, so the cuts still to make keep their offsets in `id`.
         for (start, end, owner) in cuts.into_iter().rev() {
@@ -262,7 +262,7 @@ impl Heap {
 
     /// Cuts range `id` at `at` bytes (a boundary between its chunks): it keeps what lies
     /// before, and what lies after becomes a new range of the same use (returned).
-    pub(super) fn split_range_at(&mut self, id: RangeId, at: u64) -> RangeId {
+    fn split_range_at(&mut self, id: RangeId, at: u64) -> RangeId {
         let pages = at / self.lim.page;
         let r = self.range(id);
         let (va, total, use_) = (r.va, r.pages, r.use_);

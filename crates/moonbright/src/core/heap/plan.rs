@@ -50,7 +50,7 @@ impl Heap {
     }
 
     /// Pages free for a new range right now, wherever they are.
-    pub(super) fn free_pages(&self) -> u64 {
+    fn free_pages(&self) -> u64 {
         self.pool.bare_pages() + self.cached_pages + self.window.pages() + self.headroom()
     }
 
@@ -249,7 +249,7 @@ impl Heap {
     /// one. Smaller needs, and growables (`large` false, they shrink by whole chunks), keep
     /// `max_chunk_pages` so that stitching keeps its freedom, and a smaller need of a size
     /// asked for before (`repeated`) `repeated_chunk_pages`.
-    pub(super) fn chunk_cap(&self, pages: u64, large: bool, repeated: bool) -> u64 {
+    fn chunk_cap(&self, pages: u64, large: bool, repeated: bool) -> u64 {
         if large && pages >= self.lim.large_chunk_pages {
             (1u64 << pages.ilog2()).clamp(self.lim.large_chunk_pages, self.lim.largest_chunk_pages)
         } else if repeated {
@@ -262,7 +262,7 @@ impl Heap {
     /// Breaks up the oldest covered pending range of `stream` that holds a chunk of at most
     /// `fit` pages: its chunks go to the quarantine under its epoch, its addresses are retired
     /// after that epoch. Returns whether it found one.
-    pub(super) fn break_up_own_pending(&mut self, stream: u64, fit: u64) -> bool {
+    fn break_up_own_pending(&mut self, stream: u64, fit: u64) -> bool {
         let pool = &self.pool;
         let ranges = &self.ranges;
         let has_fit = |id: u32| {
@@ -290,11 +290,7 @@ impl Heap {
 
     /// Returns chunks a plan gathered but will not use: bare, except those taken from a stream's
     /// pending frees, which wait in quarantine until that stream's work has passed them.
-    pub(super) fn give_back(
-        &mut self,
-        chunks: Vec<ChunkId>,
-        same_stream: Vec<(ChunkId, u64, u64)>,
-    ) {
+    fn give_back(&mut self, chunks: Vec<ChunkId>, same_stream: Vec<(ChunkId, u64, u64)>) {
         for c in chunks {
             match same_stream.iter().find(|q| q.0 == c) {
                 Some(&q) => self.quarantine.push(q),
@@ -410,7 +406,7 @@ impl Heap {
         }
     }
 
-    pub(super) fn insert_chunk(&mut self, handle: ChunkHandle, pages: u64) -> ChunkId {
+    fn insert_chunk(&mut self, handle: ChunkHandle, pages: u64) -> ChunkId {
         self.stats.reserved_bytes.add(self.bytes(pages));
         self.stats.chunks.add(1);
         self.pool.insert(handle, pages)
@@ -432,13 +428,13 @@ impl Heap {
         id
     }
 
-    pub(super) fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
+    fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
         self.out_of_memory_because(requested, short_pages, None)
     }
 
     /// Out of memory, with the driver's refusal when a call of the request's failed for lack of
     /// memory: the books alone would say memory must be freed when it may be free already.
-    pub(super) fn out_of_memory_because(
+    fn out_of_memory_because(
         &self,
         requested: u64,
         short_pages: u64,

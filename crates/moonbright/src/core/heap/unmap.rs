@@ -37,7 +37,7 @@ impl Heap {
     }
 
     /// When the mappings of bare chunk `c`, all retired ranges, may be unmapped.
-    pub(super) fn unmappable(&self, c: ChunkId) -> Unmappable {
+    fn unmappable(&self, c: ChunkId) -> Unmappable {
         let mappings = self.pool.try_get(c).map_or(0, |ch| ch.mappings as usize);
         let (n, all_ready) = self
             .va
