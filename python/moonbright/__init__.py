@@ -20,7 +20,9 @@ Keys: ``backend`` (auto|cuda|host), ``device``, ``cap`` (bytes, suffixes KiB MiB
 ``near_fit`` (0 to 1: how much larger a cached range may be and still serve a request whole),
 ``carve`` (0 to 1: the unused pages carving may leave in cached ranges it cuts, of the peak in
 use), ``carve_repeated`` (0 to 1: that budget for a request of a size asked for recently, as a
-training step's are),
+training step's are), ``grow_first`` (0 to 10: latency before memory; new memory, one chunk
+per request, before stealing cached ranges while held memory stays this far above the peak in
+use; 0, the default, is off),
 ``peer_access`` (true|false), ``ipc`` (true|false: chunks can be sent to other processes,
 :mod:`moonbright.ipc`),
 ``validate`` (true|false).

@@ -47,6 +47,10 @@ def test_parse_conf_values_and_errors():
     with pytest.raises(ValueError, match="max_chunk_repeated"):
         moonbright.parse_conf("max_chunk_repeated:3MiB")
     assert moonbright.parse_conf("carve_repeated:0.02")["carve_repeated"] == 0.02
+    assert o["grow_first"] == 0.0
+    assert moonbright.parse_conf("grow_first:0.3")["grow_first"] == 0.3
+    with pytest.raises(ValueError, match="grow_first"):
+        moonbright.parse_conf("grow_first:11")
     with pytest.raises(ValueError, match="carve_repeated"):
         moonbright.parse_conf("carve_repeated:2")
     with pytest.raises(ValueError, match="near_fit"):

@@ -342,6 +342,7 @@ fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     d.set_item("near_fit", o.near_fit)?;
     d.set_item("carve", o.carve)?;
     d.set_item("carve_repeated", o.carve_repeated)?;
+    d.set_item("grow_first", o.grow_first)?;
     d.set_item("peer_access", o.peer_access)?;
     d.set_item("validate", o.validate)?;
     Ok(d.unbind())

@@ -243,9 +243,10 @@ impl Allocator {
             unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
             window_slab_pages: (options.prefetch_window_max / page).max(512),
             reuse_addresses: options.reuse_addresses,
-            near_fit_per_1024: (options.near_fit * 1024.0).round() as u64,
-            carve_per_1024: (options.carve * 1024.0).round() as u64,
-            carve_repeated_per_1024: (options.carve_repeated * 1024.0).round() as u64,
+            near_fit_per_1024: per_1024(options.near_fit),
+            carve_per_1024: per_1024(options.carve),
+            carve_repeated_per_1024: per_1024(options.carve_repeated),
+            grow_first_per_1024: per_1024(options.grow_first),
             defer_free_events: options.deferred_free_events,
         };
         let background = options.background;
@@ -686,6 +687,11 @@ impl Drop for Allocator {
         }
         self.shared.teardown();
     }
+}
+
+/// A fraction as `Limits` keeps it: in 1,024ths, rounded.
+fn per_1024(fraction: f64) -> u64 {
+    (fraction * 1024.0).round() as u64
 }
 
 // Not under Miri: the host backend's memfd and mmap calls are outside what Miri interprets.

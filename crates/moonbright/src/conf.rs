@@ -50,6 +50,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("near_fit", "a fraction in [0, 1]: cached ranges this much larger than a request serve it whole"),
     ("carve", "a fraction in [0, 1]: unused pages of carved arenas allowed, of the peak in use; 0: off"),
     ("carve_repeated", "a fraction in [0, 1]: carving's budget for a request of a size seen recently"),
+    (
+        "grow_first",
+        "a fraction in [0, 10]: new memory before stealing cached ranges while held memory stays this much above the peak in use; 0: off",
+    ),
     ("peer_access", "true or false: each GPU's allocator lets the process's other GPUs reach it"),
     ("ipc", "true or false: chunks can be exported to other processes"),
     (
@@ -184,6 +188,10 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         "near_fit" => opts.near_fit = fraction()?,
         "carve" => opts.carve = fraction()?,
         "carve_repeated" => opts.carve_repeated = fraction()?,
+        "grow_first" => {
+            let f = v.parse::<f64>().map_err(|_| bad(name, v))?;
+            opts.grow_first = (0.0..=10.0).contains(&f).then_some(f).ok_or_else(|| bad(name, v))?;
+        }
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
@@ -334,6 +342,8 @@ mod tests {
             ("near_fit:1.5", "near_fit", "[0, 1]"),
             ("carve:-0.5", "carve", "[0, 1]"),
             ("carve_repeated:NaN", "carve_repeated", "[0, 1]"),
+            ("grow_first:11", "grow_first", "[0, 10]"),
+            ("grow_first:-1", "grow_first", "[0, 10]"),
             ("validate:maybe", "validate", "true or false"),
         ] {
             let (name, reason) = err_of(text);

@@ -404,7 +404,9 @@ fn unmapped_addresses_are_reused(opts: Options) {
 fn large_needs_use_large_chunks(opts: Options) {
     let max = opts.max_chunk_bytes as usize;
     let large = 4 * max;
+    // The chunk shapes of stitching and stealing: `grow_first` makes new memory in one chunk.
     let o = Options {
+        grow_first: 0.0,
         large_chunk_bytes: large as u64,
         cap_bytes: Some((2 * large + 2 * max) as u64),
         cap_fraction: 1.0,
@@ -601,7 +603,9 @@ fn a_failed_whole_window_refill_is_recorded_and_retried(opts: Options) {
 /// the same way, so the next large request stitches two spares, not one chunk per `max_chunk`.
 fn large_needs_take_power_of_two_chunks(opts: Options) {
     let max = opts.max_chunk_bytes as usize;
+    // The chunk shapes of stitching and stealing: `grow_first` makes new memory in one chunk.
     let o = Options {
+        grow_first: 0.0,
         large_chunk_bytes: 2 * max as u64,
         largest_chunk_bytes: 8 * max as u64,
         cap_bytes: Some(40 * max as u64),
@@ -695,7 +699,9 @@ fn pages_intact(a: &Allocator, ptr: u64, pages: u64, id: u64) -> bool {
 /// its bytes, the books agree, and `release_unused` gives every chunk back.
 fn thousands_of_one_page_chunks_stitch_into_one_range(opts: Options) {
     let page = Allocator::new(opts.clone()).unwrap().page_size() as u64;
+    // Stitching, not growing (`grow_first` would make the range new, in one chunk).
     let o = Options {
+        grow_first: 0.0,
         validate: false,
         prefetch_window_min: 0,
         prefetch_window_max: 0,
@@ -883,6 +889,10 @@ suite!(
     Some(Options { carve: 1.0, carve_repeated: 0.0, ..host_deferred_options() })
 );
 suite!(cuda_carve, cuda_options().map(|o| Options { carve: 1.0, carve_repeated: 0.0, ..o }));
+// New memory before stealing, up to twice the peak in use: fewer steals, one chunk per growth.
+suite!(host_grow_first, Some(Options { grow_first: 1.0, ..host_options() }));
+suite!(host_grow_first_deferred, Some(Options { grow_first: 1.0, ..host_deferred_options() }));
+suite!(cuda_grow_first, cuda_options().map(|o| Options { grow_first: 1.0, ..o }));
 
 #[test]
 fn history_and_segments_describe_what_happened() {
@@ -1534,4 +1544,93 @@ fn a_churn_of_mixed_sizes_with_carving_keeps_every_byte() {
     let s = a.stats();
     assert!(s.carved_arenas > 0 && s.carved_allocations > s.carved_arenas, "the churn carved");
     gives_everything_back(&a);
+}
+
+/// With `grow_first`, a request that no mapped memory serves gets new memory in one chunk
+/// (whatever `max_chunk`) rather than stealing a cached range, while held memory stays within
+/// the budget above the peak in use; past the budget, or the cap, it steals as by default.
+#[test]
+fn grow_first_makes_new_memory_within_its_budget_and_steals_past_it() {
+    let page = 64u64 << 10;
+    // (grow_first, cap in pages, whether the 6-page request grows, whether the 7-page one does)
+    for (grow_first, cap, first_grows, second_grows) in [
+        (1.0, None, true, false),
+        (2.0, None, true, true),
+        (0.0, None, false, false),
+        (10.0, Some(8), false, false),
+    ] {
+        let case = format!("grow_first {grow_first}, cap {cap:?}");
+        let a = Allocator::new(Options {
+            grow_first,
+            carve: 0.0,
+            near_fit: 0.0,
+            large_chunk_bytes: 16 * page,
+            cap_bytes: cap.map(|c| c * page),
+            ..host_options()
+        })
+        .unwrap();
+        assert_eq!(a.page_size() as u64, page);
+        let seg = |at: u64| a.segments().into_iter().find(|s| s.addr == at).unwrap();
+        let held = || a.stats().reserved_bytes.current / page;
+        let stolen = || a.stats().cached_ranges_stolen;
+        // Four pages, one chunk (`max_chunk`), freed: a cached range.
+        let four = a.malloc((4 * page) as usize).unwrap();
+        a.free(four).unwrap();
+        // Six pages: 4 + 6 held against a peak of 6 in use, within 2x.
+        let first = a.malloc((6 * page) as usize).unwrap();
+        if first_grows {
+            assert_eq!((stolen(), held()), (0, 10), "{case}: grown");
+            assert_eq!(seg(first).chunks, 1, "{case}: new memory in one chunk");
+            assert_eq!(seg(four).kind, "cached", "{case}: the cached range stays");
+        } else {
+            assert_eq!((stolen(), held()), (1, 6), "{case}: stolen");
+            assert_eq!(seg(first).chunks, 2, "{case}: the stolen chunk and a new one");
+        }
+        a.free(first).unwrap();
+        // Seven pages, nothing live: 10 + 7 held against a peak of 7, within 3x, not 2x.
+        let before = (stolen(), held());
+        let second = a.malloc((7 * page) as usize).unwrap();
+        if second_grows {
+            assert_eq!((stolen(), held()), (before.0, before.1 + 7), "{case}: grown");
+            assert_eq!(seg(second).chunks, 1, "{case}: new memory in one chunk");
+        } else {
+            // Stolen: what the stolen range leaves of the request may still be made new.
+            assert!(stolen() > before.0, "{case}: stolen");
+            assert!(held() < before.1 + 7, "{case}: {} pages held", held());
+        }
+        a.check_invariants().unwrap();
+        a.free(second).unwrap();
+        gives_everything_back(&a);
+    }
+}
+
+/// With `grow_first`, carving may leave unused as many pages as its budget has room for above
+/// held memory, where its own budget (`carve`) allows none: the request is carved with no
+/// driver call, rather than grown.
+#[test]
+fn grow_first_lets_carving_use_its_room() {
+    let page = 64u64 << 10;
+    for (grow_first, carved) in [(1.0, true), (0.0, false)] {
+        let a = Allocator::new(Options {
+            grow_first,
+            carve: 0.001,
+            carve_repeated: 0.0,
+            near_fit: 0.0,
+            large_chunk_bytes: 16 * page,
+            ..host_options()
+        })
+        .unwrap();
+        // Eight pages in chunks of four, freed: cut three pages of a chunk of four, carving
+        // leaves one unused, more than 0.1% of the peak in use.
+        let eight = a.malloc((8 * page) as usize).unwrap();
+        a.free(eight).unwrap();
+        let before = vmm(&a);
+        let three = a.malloc((3 * page) as usize).unwrap();
+        let s = a.stats();
+        assert_eq!(s.carved_allocations, u64::from(carved), "grow_first {grow_first}");
+        assert_eq!(vmm(&a) == before, carved, "grow_first {grow_first}: driver calls");
+        a.check_invariants().unwrap();
+        a.free(three).unwrap();
+        gives_everything_back(&a);
+    }
 }

@@ -13,10 +13,12 @@ const PAGE: usize = 64 << 10;
 
 /// A tight allocator: 96 pages, chunks up to 4 pages (for a need of 8 or more new pages, the
 /// largest power of two it holds, up to 16), small unmap batches, so a short workload creates,
-/// splits, steals, maps, flushes and reserves; with `carve`, carving that much.
-fn tight_carving(carve: f64) -> Allocator {
+/// splits, steals, maps, flushes and reserves; with `carve`, carving that much, and with
+/// `grow_first`, growing before stealing that far above the peak in use.
+fn tight_carving(carve: f64, grow_first: f64) -> Allocator {
     let opts = Options {
         carve,
+        grow_first,
         // At `carve` 1.0 every size carves that much, repeated ones too.
         carve_repeated: if carve == 1.0 { 0.0 } else { Options::default().carve_repeated },
         cap_fraction: 1.0,
@@ -32,7 +34,7 @@ fn tight_carving(carve: f64) -> Allocator {
 }
 
 fn tight() -> Allocator {
-    tight_carving(Options::default().carve)
+    tight_carving(Options::default().carve, 0.0)
 }
 
 /// The allocator's books agree with the host backend's: chunk bytes and mappings.
@@ -154,15 +156,15 @@ fn drains_clean(a: &Allocator) {
 }
 
 fn fail_each_position(kind: CallKind) {
-    fail_each_position_carving(kind, Options::default().carve);
+    fail_each_position_carving(kind, Options::default().carve, 0.0);
 }
 
-fn fail_each_position_carving(kind: CallKind, carve: f64) {
+fn fail_each_position_carving(kind: CallKind, carve: f64, grow_first: f64) {
     // How many calls of this kind the workload makes when nothing fails, its drain included:
     // some kinds (a released growable's addresses freed after their unmap) come in the
     // workload only if the worker flushed in time, which a busy machine may not give it.
     let calls = {
-        let a = tight_carving(carve);
+        let a = tight_carving(carve, grow_first);
         workload(&a, 7, 250);
         drains_clean(&a);
         if carve == 1.0 {
@@ -178,7 +180,7 @@ fn fail_each_position_carving(kind: CallKind, carve: f64) {
     };
     let mut seen_failures = 0;
     for n in positions {
-        let a = tight_carving(carve);
+        let a = tight_carving(carve, grow_first);
         a.driver().fail_nth(kind, n, None);
         seen_failures += workload(&a, 7, 250);
         drains_clean(&a);
@@ -240,7 +242,23 @@ fn failures_of_every_kind_while_carving() {
         CallKind::Release,
         CallKind::Reserve,
     ] {
-        fail_each_position_carving(kind, 1.0);
+        fail_each_position_carving(kind, 1.0, 0.0);
+    }
+}
+
+/// The same with `grow_first`: new memory made in one chunk rather than stolen, up to 1.5x of
+/// the peak in use (the tight allocator's cap stops it sooner).
+#[test]
+fn failures_of_every_kind_while_growing_first() {
+    for kind in [
+        CallKind::Create,
+        CallKind::Map,
+        CallKind::SetAccess,
+        CallKind::Unmap,
+        CallKind::Release,
+        CallKind::Reserve,
+    ] {
+        fail_each_position_carving(kind, Options::default().carve, 0.5);
     }
 }
 

@@ -265,6 +265,9 @@ pub(crate) struct Limits {
     /// That budget for a request whose exact size a recent request had too, of the lesser of
     /// the peak and `CARVE_TAPER` times the headroom below it (`Options::carve_repeated`).
     pub carve_repeated_per_1024: u64,
+    /// New memory before stealing while held memory stays within this many 1,024ths above the
+    /// peak in use (`Options::grow_first`; 0: off).
+    pub grow_first_per_1024: u64,
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
     pub defer_free_events: bool,
@@ -1196,6 +1199,7 @@ mod tests {
             near_fit_per_1024: 128,
             carve_per_1024: 0,
             carve_repeated_per_1024: 0,
+            grow_first_per_1024: 0,
             defer_free_events: false,
         };
         let mut h = Heap::new(lim);

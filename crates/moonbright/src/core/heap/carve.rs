@@ -118,7 +118,13 @@ impl Heap {
         } else {
             peak / 1024 * self.lim.carve_per_1024
         };
-        let allowed = budget.checked_sub(self.carved.free_bytes())? / self.lim.page;
+        // With `grow_first`, whatever room its budget has left above held memory too.
+        let room = self.grow_first_room(pages);
+        let allowed = match budget.checked_sub(self.carved.free_bytes()) {
+            Some(b) => (b / self.lim.page).max(room),
+            None if room > 0 => room,
+            None => return None,
+        };
         // (spare pages, where the run lies: a cached range's sequence number, or the start
         // and end of a group of cached neighbours; the run's first chunk and one past its
         // last, in those ranges' chunks).

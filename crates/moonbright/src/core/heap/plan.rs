@@ -110,6 +110,8 @@ impl Heap {
         let mut left = pages;
         // Where the search for a cached range worth stealing goes on from (`fitting_cached`).
         let mut steal_scan = (0, 0);
+        // Whether what bare chunks leave is made new, in one chunk (`grows_first`).
+        let mut grown = false;
         loop {
             while left > 0 {
                 match self.pool.take_bare_at_most(left) {
@@ -121,6 +123,10 @@ impl Heap {
                 }
             }
             if left == 0 {
+                break;
+            }
+            if large && self.grows_first(left, len) {
+                grown = true;
                 break;
             }
             if let Some(seq) = self.fitting_cached(&mut steal_scan, left) {
@@ -198,8 +204,12 @@ impl Heap {
         // beside other sizes, as a training step's do: smaller chunks let later requests of
         // other sizes reuse its memory with fewer pages to spare.
         let repeated = large && self.cuts_repeated() && self.sizes.contains(requested);
-        let cap = self.chunk_cap(left, large, repeated);
-        if left > 0 && self.pool.has_bare_larger_than(left) {
+        let cap = if grown {
+            left.min(self.lim.largest_chunk_pages)
+        } else {
+            self.chunk_cap(left, large, repeated)
+        };
+        if left > 0 && !grown && self.pool.has_bare_larger_than(left) {
             match self.pool.take_unmapped_bare_larger_than(left) {
                 Some(c) => {
                     let chunk = self.pool.get(c);
@@ -240,6 +250,35 @@ impl Heap {
             _ => {}
         }
         step
+    }
+
+    /// Whether a request `len` bytes long makes its `left` missing pages new rather than steal
+    /// cached ranges for them (`Options::grow_first`): held memory, with them and what plans
+    /// in flight create, stays within `grow_first_per_1024` 1,024ths above the peak in use
+    /// (the request counted as in use), and under the cap. They come as one chunk (up to
+    /// `largest_chunk_pages`), one handle to map, as `cudaMalloc` makes a segment; a bare chunk
+    /// larger than they need is not split for them (a release and two creates).
+    fn grows_first(&self, left: u64, len: u64) -> bool {
+        self.headroom() >= left && self.grow_first_room_bytes(len) >= self.bytes(left)
+    }
+
+    /// The pages `grow_first`'s budget has room for above held memory (and what plans in
+    /// flight create), for a request `len` bytes long: carving may leave that many unused.
+    pub(super) fn grow_first_room(&self, pages: u64) -> u64 {
+        self.grow_first_room_bytes(self.bytes(pages)) / self.lim.page
+    }
+
+    /// `grow_first_per_1024` 1,024ths above the peak in use (the request counted as in use),
+    /// less held memory: in bytes.
+    fn grow_first_room_bytes(&self, len: u64) -> u64 {
+        let per_1024 = self.lim.grow_first_per_1024;
+        if per_1024 == 0 {
+            return 0;
+        }
+        let allocated = &self.stats.allocated_bytes;
+        let peak = allocated.peak.max(allocated.current + len) as u128;
+        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages) as u128;
+        (peak * (1024 + per_1024 as u128) / 1024).saturating_sub(held).min(u64::MAX as u128) as u64
     }
 
     /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
