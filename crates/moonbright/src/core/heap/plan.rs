@@ -1,5 +1,6 @@
 //! Planning new ranges: where a request's pages come from when no fast path serves it (bare
-//! chunks, cached ranges it steals, the window, its stream's own pending frees, new chunks),
+//! chunks, cached ranges it steals, the window, its stream's own pending frees, new chunks; with
+//! `Options::grow_first`, one new chunk before any cached range while its budget allows),
 //! claimed under the lock as a plan (`core/mapping.rs`) that runs without it, then committed, or
 //! given back if the driver failed.
 
