@@ -155,6 +155,16 @@ fn drains_clean(a: &Allocator) {
     assert_eq!(host.mapping_count(), 0);
 }
 
+/// The driver calls a request or the worker makes for the heap.
+const HEAP_CALLS: [CallKind; 6] = [
+    CallKind::Create,
+    CallKind::Map,
+    CallKind::SetAccess,
+    CallKind::Unmap,
+    CallKind::Release,
+    CallKind::Reserve,
+];
+
 fn fail_each_position(kind: CallKind) {
     fail_each_position_carving(kind, Options::default().carve, 0.0);
 }
@@ -234,14 +244,7 @@ fn reserve_failures() {
 /// failed call): nothing is lost, and the books agree.
 #[test]
 fn failures_of_every_kind_while_carving() {
-    for kind in [
-        CallKind::Create,
-        CallKind::Map,
-        CallKind::SetAccess,
-        CallKind::Unmap,
-        CallKind::Release,
-        CallKind::Reserve,
-    ] {
+    for kind in HEAP_CALLS {
         fail_each_position_carving(kind, 1.0, 0.0);
     }
 }
@@ -250,14 +253,7 @@ fn failures_of_every_kind_while_carving() {
 /// the peak in use (the tight allocator's cap stops it sooner).
 #[test]
 fn failures_of_every_kind_while_growing_first() {
-    for kind in [
-        CallKind::Create,
-        CallKind::Map,
-        CallKind::SetAccess,
-        CallKind::Unmap,
-        CallKind::Release,
-        CallKind::Reserve,
-    ] {
+    for kind in HEAP_CALLS {
         fail_each_position_carving(kind, Options::default().carve, 0.5);
     }
 }
