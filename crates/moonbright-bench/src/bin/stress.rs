@@ -129,12 +129,12 @@ impl Replay for Mb {
     }
 }
 
-/// Allocations grouped by how many chunk handles the request mapped itself: 0 (a cache, window
-/// or sub-page hit), 1, 2-3, 4-7, 8-15, 16-31, 32 or more.
 /// `Options::grow_first` in the stress's third MoonBright row: held memory up to 1.3x of the
 /// peak in use, about what PyTorch's default allocator holds here (1.317).
 const GROW_FIRST_ROW: f64 = 0.3;
 
+/// Allocations grouped by how many chunk handles the request mapped itself: 0 (a cache, window
+/// or sub-page hit), 1, 2-3, 4-7, 8-15, 16-31, 32 or more.
 const CLASS_NAMES: [&str; 7] = ["0", "1", "2-3", "4-7", "8-15", "16-31", "32+"];
 
 fn class_of(handles: u64) -> usize {
@@ -296,9 +296,9 @@ fn run() -> Res<()> {
     let mut outcomes = vec![];
     let default_window = moonbright_bench::default_window();
     let rows = [
-        ("MoonBright", default_window, None),
-        ("MoonBright (no window)", (0, 0), None),
-        ("MoonBright (grow_first 0.3)", default_window, Some(GROW_FIRST_ROW)),
+        ("MoonBright".to_string(), default_window, None),
+        ("MoonBright (no window)".to_string(), (0, 0), None),
+        (format!("MoonBright (grow_first {GROW_FIRST_ROW})"), default_window, Some(GROW_FIRST_ROW)),
     ];
     for (name, window, grow_first) in rows {
         // The worker runs unless `MOONBRIGHT_ALLOC_CONF` turns it off (`background:false`,
@@ -320,7 +320,7 @@ fn run() -> Res<()> {
             }
         };
         let mut mb = Mb { a, s };
-        outcomes.push(replay(name, &mut mb, &ops, peak_requested)?);
+        outcomes.push(replay(&name, &mut mb, &ops, peak_requested)?);
         if let Some(s) = &stream {
             s.sync()?;
         }
@@ -394,7 +394,10 @@ fn run() -> Res<()> {
     println!("(res/req: peak reserved over the sequence's peak requested bytes; res/alc: over the");
     println!(" allocator's own peak allocated; times in us; target: MoonBright res/alc <= 1.05,");
     println!(" alloc p99 <= PyTorch default's; grow_first {GROW_FIRST_ROW} trades memory for the");
-    println!(" p99: new memory before stealing while held stays within 1.3x of the peak in use)");
+    println!(
+        " p99: new memory before stealing while held stays within {:.2}x of the peak in use)",
+        1.0 + GROW_FIRST_ROW
+    );
     if let Some(path) = &args.json {
         let report = Report { gpu: gpu_name, spec, outcomes };
         moonbright_bench::write_json(path, &report)?;
