@@ -133,10 +133,12 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     // A count that must not be 0.
     let count = || v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad(name, v));
     // A fraction in [0, 1].
-    let fraction = || {
+    // A number in [0, `max`].
+    let up_to = |max: f64| {
         let f = v.parse::<f64>().map_err(|_| bad(name, v))?;
-        (0.0..=1.0).contains(&f).then_some(f).ok_or_else(|| bad(name, v))
+        (0.0..=max).contains(&f).then_some(f).ok_or_else(|| bad(name, v))
     };
+    let fraction = || up_to(1.0);
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {
@@ -188,10 +190,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         "near_fit" => opts.near_fit = fraction()?,
         "carve" => opts.carve = fraction()?,
         "carve_repeated" => opts.carve_repeated = fraction()?,
-        "grow_first" => {
-            let f = v.parse::<f64>().map_err(|_| bad(name, v))?;
-            opts.grow_first = (0.0..=10.0).contains(&f).then_some(f).ok_or_else(|| bad(name, v))?;
-        }
+        "grow_first" => opts.grow_first = up_to(10.0)?,
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
