@@ -8,7 +8,7 @@
 #
 #   BIN=carry/bin OUT=$OUT/r bash bench/ab-h200.sh -base ""        # the defaults below
 #   ROUNDS=2 TRACES="resnet" STRESS_ROUNDS=0 bash bench/ab-h200.sh -base ""
-#   BACKEND=host TRACE_DIR=../shared/traces bash bench/ab-h200.sh "" # a dry run without a GPU
+#   BACKEND=host TRACE_DIR=traces bash bench/ab-h200.sh "" # a dry run without a GPU
 #
 # ROUNDS (4) rounds of the traces in TRACES ("resnet gpt2", files trace_NAME.csv.gz in
 # TRACE_DIR, default carry/), STRESS_ROUNDS (3) rounds of the stress; TESTS=1 first runs the

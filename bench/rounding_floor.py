@@ -4,7 +4,7 @@ the trace (the live set as it changes, freed at `free_completed`). Against the t
 live requested bytes, this is a floor for the reserved/requested ratio of an allocator that
 maps whole pages per allocation and packs nothing else into their tails.
 
-    python3 bench/rounding_floor.py ../shared/traces/trace_resnet.csv.gz [--page-mib 2]
+    python3 bench/rounding_floor.py traces/trace_resnet.csv.gz [--page-mib 2]
 """
 
 import argparse

@@ -12,15 +12,15 @@ segments. Requests of a page or more only (sub-page ones go to MoonBright's aren
 - optionally, between operations, a background mapper stitches stolen chunks into a free block of
   ``--window-pages`` when no free block is that large, at ``--budget`` handles per operation.
 
-It prints peak held over peak requested bytes, hits, maps and handles by class. Session 6 ran it
-on the default sequence (docs/design.md, Known limits): with 64 MiB chunks about 1,000 of 4,556
+It prints peak held over peak requested bytes, hits, maps and handles by class. On the default
+sequence (docs/design.md, Known limits): with 64 MiB chunks about 1,000 of 4,556
 requests still map and held memory reaches 1.12-1.17x; with 2 MiB chunks memory stays at 1.012x
 but a miss maps hundreds of handles.
 
-``--trace T --repeat N`` replays a recorded trace (our CSV, ``shared/traces/``) N times instead,
+``--trace T --repeat N`` replays a recorded trace (our CSV, ``traces/``) N times instead,
 each pass's live blocks freed before the next, as ``moonbright replay --repeat N`` does: the maps
-of passes 2..N are those of N passes less those of one (session 31, docs/design.md, "Over
-repeated passes").
+of passes 2..N are those of N passes less those of one (docs/design.md, "Over repeated
+passes").
 """
 import argparse
 import csv

@@ -8,7 +8,7 @@ configuration): unset (default) or expandable_segments:True.
 
 Per repetition it prints PyTorch's peak reserved so far over the trace's peak of live requested
 bytes (the figure `moonbright replay` gives, whose allocated bytes are the requested ones) and
-the repetition's alloc p50 / p99 / max. The recorded figures in shared/traces/README.md come
+the repetition's alloc p50 / p99 / max. The recorded figures in traces/README.md come
 from the training runs themselves; this replays the same sequence the way MoonBright's replay
 does, so both allocators see exactly the same requests."""
 import argparse

@@ -10,9 +10,9 @@ use serde_json::json;
 use crate::replay::{self, gib, us, Outcome};
 use crate::ReplayArgs;
 
-/// PyTorch's peak reserved / peak live requested bytes on the shared traces, default allocator
+/// PyTorch's peak reserved / peak live requested bytes on the recorded traces, default allocator
 /// and `expandable_segments:True`, each recorded in its own process on an H200 with PyTorch 2.11.
-/// Source: `shared/traces/README.md` (the table of the traces).
+/// Source: `traces/README.md` (the table of the traces).
 const PYTORCH: [(&str, f64, f64); 3] =
     [("trace_llama", 1.107, 1.038), ("trace_gpt2", 1.224, 1.005), ("trace_resnet", 1.207, 1.010)];
 
@@ -94,7 +94,7 @@ pub(crate) fn command(
          `moonbright bench-traces {}` (`bash bench/traces.sh`), page {} KiB, on {cpu}.\n\n\
          Ratios are peak reserved / peak live requested bytes. PyTorch's figures are its own \
          `max_memory_reserved()` over the same peak, default allocator and \
-         `expandable_segments:True`, from `shared/traces/README.md`; \"in trace\" is the \
+         `expandable_segments:True`, from `traces/README.md`; \"in trace\" is the \
          reserved peak the trace's segment events record (the default allocator's). Latencies \
          are of each `malloc_async` of the replay, measured with `Instant`.\n\n",
         dir.display(),
@@ -129,7 +129,7 @@ pub(crate) fn command(
             v["pytorch"] = json!({
                 "default": py.map(|p| p.0),
                 "expandable_segments": py.map(|p| p.1),
-                "source": "shared/traces/README.md",
+                "source": "traces/README.md",
             });
             v
         })
