@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Every test MoonBright has that runs without a GPU: formatting, lints, the workspace's unit,
-# conformance, stream, fault-injection, trace and C API tests, the loom model checks, the CPU
-# tests again under the thread and address sanitizers, and the Python package's tests. GPU
-# tests skip with a message here; scripts/gpu-check.sh runs them on a machine with a GPU.
+# Every test MoonBright has that runs without a GPU: formatting, the generated results page,
+# lints, the workspace's unit, conformance, stream, fault-injection, trace and C API tests, the
+# loom model checks, the CPU tests again under the thread and address sanitizers, and the Python
+# package's tests. GPU tests skip with a message here; scripts/gpu-check.sh runs them on a
+# machine with a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo fmt --all -- --check
+# docs/results.md is generated from bench/results/: fail if it is stale or a folder breaks the format.
+python3 bench/results.py --check
 cargo clippy --workspace --all-targets -- -D warnings
 # libnvrtc for the paged kernels' compile test (no GPU needed): PyPI's nvidia-cuda-nvrtc in
 # target/nvrtc, pinned to the CUDA 13.0 release the H200 machine's driver runs (a newer NVRTC
