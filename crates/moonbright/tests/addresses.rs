@@ -1,8 +1,8 @@
 //! Address stability: the same requests in the same order on one stream get the same addresses
 //! back, whenever their earlier frees complete (docs/design.md, Address stability). The trace is
 //! PyTorch's record (`torch.cuda.memory._record_memory_history`, its allocator) of three
-//! transformers static-cache `generate` calls of a small random Llama on an H200
-//! (`bench/results/h200-session17/l1-`, and `l6-` for `..._kept`); each call allocates a new
+//! transformers static-cache `generate` calls of a small random Llama on an H200 (and, for
+//! `..._kept`, the GPU test's variant below); each call allocates a new
 //! cache, whose tensors CUDA-graph trees take as static inputs and record a graph again for when
 //! they move.
 #![cfg(not(loom))]
@@ -75,7 +75,7 @@ fn a_repeated_generate_gets_its_cache_back_at_the_same_addresses() {
 
 /// The GPU test's variant: each call's output stays live through the next call, a small block
 /// that moves from call to call and perturbs best fit. PyTorch's own allocator then moves one
-/// layer's length tensor in the third call (`bench/results/h200-session17/l6-`); the keys and
+/// layer's length tensor in the third call (seen on the H200); the keys and
 /// values must still come back.
 #[test]
 fn with_the_last_output_live_the_keys_and_values_come_back() {

@@ -414,7 +414,7 @@ fn resizing_on_a_capturing_stream_is_refused_and_changes_nothing() {
 
 /// A growth short of memory reports OOM at once even when a carved arena's free pages could
 /// hold it: a growable takes no arena space, so waiting for it would never end (it waited
-/// 10 s, then failed as a driver error, before session 33's fix).
+/// 10 s, then failed as a driver error, before the fix).
 #[test]
 fn a_growth_short_of_memory_does_not_wait_for_carved_space() {
     let a = Allocator::new(Options { carve: 1.0, carve_repeated: 0.0, ..opts(false) }).unwrap();

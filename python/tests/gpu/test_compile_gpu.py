@@ -181,7 +181,7 @@ STATIC_CACHE_GENERATE = """
     # "reduce-overhead" (its default CompileConfig); compiling model.forward as well nests the
     # two and fails under either allocator.
     # Each output is let go before the next call: kept live, it lands elsewhere each call and
-    # moves the next cache's small tensors under either allocator (h200-session17/l5-, l6-).
+    # moves the next cache's small tensors under either allocator (seen on the H200).
     runs = []
     with torch.no_grad():
         for _ in range(3):
@@ -210,10 +210,10 @@ def test_static_cache_generate_with_reduce_overhead_gives_pytorchs_tokens():
     ours = run_mode(STATIC_CACHE_GENERATE, "moonbright")
     theirs = run_mode(STATIC_CACHE_GENERATE, "pytorch")
     assert ours["skips"] == 0 and ours["graphs"] >= 1, ours
-    # Each generate makes a new static cache, whose tensors are the graphs' static inputs. Until
-    # session 17, MoonBright placed them elsewhere each call and the trees recorded again each
-    # call ("static input data pointer changed"; 3 graphs, PyTorch's allocator 1:
-    # bench/results/h200-session17/l1-). The same requests now get the same addresses back
+    # Each generate makes a new static cache, whose tensors are the graphs' static inputs. Without
+    # address stability, MoonBright placed them elsewhere each call and the trees recorded again
+    # each call ("static input data pointer changed"; 3 graphs, PyTorch's allocator 1). The same
+    # requests now get the same addresses back
     # (docs/design.md, Address stability). The first call starts from an emptier allocator, and
     # PyTorch's best fit happens to place its cache as the later ones; MoonBright's does not,
     # which costs one more recording.

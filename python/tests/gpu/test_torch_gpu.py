@@ -447,7 +447,7 @@ def test_a_capture_into_a_moonbright_pool_allocates_its_segments():
     """torch.cuda.graph(g, pool=pool.id) makes PyTorch's caching allocator ask the pool's
     allocator for a segment on the capturing stream; it keeps that segment in its graph-private
     pool. MoonBright serves it from memory no stream's queued work uses (malloc_for_graph); it
-    used to refuse (session 11's f6-pool-capture/). Tensors made before the capture work inside
+    used to refuse. Tensors made before the capture work inside
     it too."""
     code = textwrap.dedent(
         """

@@ -724,10 +724,10 @@ impl Heap {
     /// Grows the tables requests insert into (live allocations, ranges, recent frees) ahead of
     /// need, on the worker's time: a table grows on the insert that fills it, rehashing or
     /// copying every entry, and a fresh allocator's 4th, 8th, 15th and 29th window hits took
-    /// 2-3.6 µs on the host backend against 0.3-0.5 for the others
-    /// (`bench/results/h200-session20/n7-`). Once less than half its room is left, a table is
-    /// grown to hold twice its entries (at least `TABLE_HEADROOM` more), so a burst of requests
-    /// between two of the worker's ticks does not grow it.
+    /// 2-3.6 µs on the host backend against 0.3-0.5 for the others, and the same points showed
+    /// in the H200 latency benchmark's 8 GiB window hits. Once less than half its room is left,
+    /// a table is grown to hold twice its entries (at least `TABLE_HEADROOM` more), so a burst
+    /// of requests between two of the worker's ticks does not grow it.
     pub fn grow_tables_ahead(&mut self) {
         if let Some(n) = room_to_add(self.live.len(), self.live.capacity()) {
             self.live.reserve(n);

@@ -79,8 +79,8 @@ impl VaSpace {
     /// A range of `len` bytes mapped nowhere: recycled addresses (best fit) first if `reuse_first`,
     /// the frontier if it has room, else recycled addresses. `None` if neither has room.
     ///
-    /// Recycled first is the default because of what the H200 measured
-    /// (`bench/results/h200-session6/`): a TLB-bound gather ran 1.002x-1.005x beside the
+    /// Recycled first is the default because of what the H200 measured (the `interference`
+    /// benchmark, docs/design.md, Glossary): a TLB-bound gather ran 1.002x-1.005x beside the
     /// allocation churn with recycled addresses and 1.046x-1.055x with the frontier, in seven
     /// runs of each. Mapping at addresses never mapped before seems to make the driver build new page
     /// tables, which disturbs running kernels.
@@ -203,8 +203,8 @@ impl VaSpace {
     /// Whether unmapping the retired shared ranges would give `len` bytes of recycled
     /// addresses in one run: each merges with the recycled addresses and the other retired
     /// ranges beside it, inside one reservation. A request flushes for addresses only then;
-    /// otherwise only a new reservation helps. (`scale` on the H200, session 29: a request
-    /// for the whole device flushed 33,991 scattered one-page ranges, 663 ms, and then
+    /// otherwise only a new reservation helps. (`scale` on the H200: a request for the whole
+    /// device flushed 33,991 scattered one-page ranges, 663 ms, and then
     /// reserved anyway.) Linear in the retired and recycled ranges, on a path taken only when
     /// neither recycled addresses nor the frontier have room.
     pub fn unmap_could_free(&self, len: u64) -> bool {

@@ -97,7 +97,7 @@ impl Window {
     /// else a prefix of the first segment that has them (O(1) in `n` beyond `COPY_AT_MOST`).
     /// A segment it empties stays, empty, until the mapper's next `add` or `take_tail`:
     /// removing it here made the hit that empties the window slower than the others
-    /// (`hitprobe --run`, session 19: 0.3-1 µs more on the host backend, 0.1-0.6 µs on the
+    /// (`hitprobe --run`: 0.3-1 µs more on the host backend, 0.1-0.6 µs on the
     /// H200). A single-threaded loop does not show that cost, and why the removal costs so much
     /// right after the mapper's refill is not known.
     pub fn take(&mut self, n: u64, most: u64) -> Option<Taken<Chunks>> {

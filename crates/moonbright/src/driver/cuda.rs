@@ -77,10 +77,10 @@ const FD_HANDLE: sys::CUmemAllocationHandleType =
 /// mode fails and invalidates that capture. MoonBright's virtual-memory calls and event
 /// queries are such calls to the driver, yet they touch no stream being captured: no captured
 /// work uses memory being mapped, unmapped or released, and the events are recorded outside
-/// any capture. Measured on the H200 (`bench/results/h200-session11/f3-capture-modes/`): a
-/// thread allocating beside a global-mode capture invalidated it, and the worker's calls failed
-/// over 2,000 times. The mode is per thread, so this changes nothing for the caller's own calls.
-/// A failure to switch is ignored: the call then runs in the thread's own mode, as before.
+/// any capture. Measured on the H200 before the switch: a thread allocating beside a
+/// global-mode capture invalidated it, and the worker's calls failed over 2,000 times. The
+/// mode is per thread, so this changes nothing for the caller's own calls. A failure to switch
+/// is ignored: the call then runs in the thread's own mode, as before.
 ///
 /// Inside a batch (`Driver::begin_batch`) that switched the mode already, it just runs `call`.
 fn relaxed<T>(call: impl FnOnce() -> T) -> T {

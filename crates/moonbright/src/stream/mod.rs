@@ -96,8 +96,8 @@ pub(crate) struct Shared {
     /// Requests making VMM calls of their own now: running a map plan, or unmapping the ranges
     /// a split needs. The driver serialises VMM calls, and a thread that calls again at once
     /// gets in first: a request's one unmap call was seen to wait 14 ms behind 68 of the
-    /// worker's (`h200-session26/q7-`). So an unmap batch lets them go first between its calls
-    /// (`give_way`) rather than make them wait for all of it.
+    /// worker's (the replay's list of slowest allocations, on the H200). So an unmap batch lets
+    /// them go first between its calls (`give_way`) rather than make them wait for all of it.
     requests_mapping: AtomicUsize,
     /// Requests waiting for unmaps that another thread's batch has taken (a chunk to split, or
     /// addresses to reuse, still mapped by ranges in that batch). The worker's batch stops at

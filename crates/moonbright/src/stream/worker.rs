@@ -27,7 +27,7 @@ const IDLE_TICK: Duration = Duration::from_millis(20);
 /// freeing stream reuses their memory at once, and one short of memory polls for itself (and
 /// wakes the worker). And in a launch-bound loop, where frees are always pending, each pass's
 /// event calls and lock take time from the thread launching kernels: at 200 µs, greedy decoding
-/// of a small Llama ran 25% slower with the process on one core (`h200-session15/j5-`).
+/// of a small Llama ran 25% slower with the process on one core (H200).
 const EVENT_TICK: Duration = Duration::from_millis(2);
 /// The mapper refills the window only when no request has mapped a range of its own for this
 /// long: during a burst of such requests its calls would only queue in the driver beside theirs.

@@ -13,7 +13,7 @@ use crate::core::subpage::{Emptied, Owner};
 /// first), and the chunks looked at in all. The search runs under the lock on every miss that
 /// the cache serves no other way while the budget has room; with 64 of each and 2,048 chunks
 /// it took 9 µs a call on the host backend (2-core machine, GPT-2's trace) and raised the
-/// trace's alloc p99 by a third, for no fewer maps (session 34).
+/// trace's alloc p99 by a third, for no fewer maps.
 const CARVE_RANGES: usize = 16;
 const CARVE_GROUPS: usize = 8;
 const CARVE_CHUNKS_SEEN: usize = 512;
