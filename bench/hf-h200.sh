@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs bench/hf_capacity.py (issue 6) on one H200: the four allocator configurations (PyTorch
+# Runs bench/hf_capacity.py on one H200: the four allocator configurations (PyTorch
 # default, expandable segments, MoonBright with DynamicCache, MoonBright with GrowableCache) x
 # {256, 1024} new tokens, each in its own process, under a 12 GiB cap. Logs and JSON land under
 # ${OUT:-bench-out}/hf, with the plots of bench/hf_plot.py and summary.txt.

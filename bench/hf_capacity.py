@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Capacity of Hugging Face `generate` under a fixed memory cap (issue 6): the largest batch that
+"""Capacity of Hugging Face `generate` under a fixed memory cap: the largest batch that
 completes, and its tokens per second, for one allocator configuration per process.
 
 A Llama of TinyLlama-1.1B's shape (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a decode step of bench/hf_capacity.py's set-up spends its time (issue 6), for one
+"""Where a decode step of bench/hf_capacity.py's set-up spends its time, for one
 allocator and cache per process: the wall time of `generate` at two lengths (so prefill and the
 per-step cost separate), the GPU time of one decode step (CUDA events around a manual forward),
 and the top operators of a few profiled decode steps (torch.profiler, by self CUDA time and by

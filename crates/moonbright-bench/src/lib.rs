@@ -1,4 +1,4 @@
-//! Shared pieces of the MoonBright benchmarks (issue 3): a checked layer over the CUDA driver,
+//! Shared pieces of the MoonBright benchmarks: a checked layer over the CUDA driver,
 //! NVRTC compilation, the kernels, percentiles, the stress workload, and the front end's options.
 //!
 //! Every binary runs on a real GPU only; on a machine without one it exits with status 2 and a

@@ -1,4 +1,4 @@
-//! The fragmentation stress of issue 3 as a deterministic function of a seed: `ops` operations,
+//! The fragmentation stress as a deterministic function of a seed: `ops` operations,
 //! sizes log-uniform in [min, max], each free picking a uniformly random live allocation (random
 //! lifetimes), and live bytes held around `live_target`.
 
@@ -25,8 +25,8 @@ pub struct StressSpec {
 }
 
 impl StressSpec {
-    /// Issue 3's stress at `seed`: 20,000 operations, sizes log-uniform from 1 KiB to 512 MiB,
-    /// about 60 GiB live.
+    /// The benchmark's stress at `seed`: 20,000 operations, sizes log-uniform from 1 KiB to
+    /// 512 MiB, about 60 GiB live.
     pub fn issue3(seed: u64) -> Self {
         StressSpec { seed, ops: 20_000, min: 1 << 10, max: 512 << 20, live_target: 60 << 30 }
     }

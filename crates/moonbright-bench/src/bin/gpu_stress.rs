@@ -1,4 +1,4 @@
-//! GPU stress test (issue 3, item 9): several threads, each with its own stream, allocate random
+//! GPU stress test: several threads, each with its own stream, allocate random
 //! sizes with malloc_async, fill each allocation with its id by a kernel, and check it by a kernel
 //! before free_async; some allocations are handed to another thread and freed on its stream
 //! (after an event); others are checked on a second stream of the thread's, behind a spin,

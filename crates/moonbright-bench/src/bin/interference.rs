@@ -1,4 +1,4 @@
-//! Interference (issue 3, item 8): a TLB-bound random gather over tens of GiB and a streaming
+//! Interference: a TLB-bound random gather over tens of GiB and a streaming
 //! copy, each timed with CUDA events over many repetitions: alone; while MoonBright serves an
 //! allocation churn from another thread (malloc_async/free_async on its own stream), with its
 //! default options and with `reuse_addresses` off (every new range at never-mapped addresses);

@@ -1,4 +1,4 @@
-//! Allocation latency (issue 3, item 7): alloc+free p50/p99 for six sizes and every path, then
+//! Allocation latency: alloc+free p50/p99 for six sizes and every path, then
 //! the same while a 50 ms kernel runs on another stream, then set-access and unmap calls per GiB
 //! with and without large chunks. One process; prints a table with ratios and writes JSON.
 

@@ -1,4 +1,4 @@
-//! The fragmentation stress (issue 3, item 7): 20,000 operations, sizes log-uniform from 1 KiB to
+//! The fragmentation stress: 20,000 operations, sizes log-uniform from 1 KiB to
 //! 512 MiB, random lifetimes, about 60 GiB live, fixed seed. Reports peak reserved over peak
 //! allocated, alloc p50/p99 and operations per second for MoonBright (by default, without its
 //! window, and with `grow_first` at `GROW_FIRST_ROW`) and the no-remap baseline, and writes the
