@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the issue-3 benchmarks on a GPU machine without a Rust toolchain, from binaries built
+# Runs the allocator benchmarks on a GPU machine without a Rust toolchain, from binaries built
 # elsewhere by bench/pack.sh into carry/bin. Everything lands under ${OUT:-bench-out}: one log and
 # one JSON per program, the stress's operation sequence, and the PNGs of bench/plot.py.
 #
