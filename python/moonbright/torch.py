@@ -74,17 +74,20 @@ PyTorch's capture hooks only to C++.) A graph pool's free blocks count as reserv
 allocated or active, as under PyTorch's allocator; :func:`moonbright.graph_pool_free` gives
 them.
 
-PyTorch's contract, for the fastest hot path:
-``MOONBRIGHT_ALLOC_CONF=captures_announced:true,deferred_free_events:true``. By default every
-allocation asks the driver whether its stream is being captured (``cuStreamIsCapturing``, about
-0.4 µs on an H200), and every free asks again and records an event (about 0.5 µs). With
-``captures_announced`` it asks only while a capture through ``torch.cuda.CUDAGraph`` is in
-progress (the wrapper announces it), as PyTorch's own allocator learns of captures only from it:
-a capture begun another way (``cudaStreamBeginCapture`` from C++, behind PyTorch's back) is then
-not seen, and memory allocated inside it is not kept for its graph; by default such a capture's
-requests are refused. With ``deferred_free_events`` the background worker records one event per
-stream for its latest frees, so streams must outlive the allocator (PyTorch's own do; a
-``torch.cuda.ExternalStream`` must too). With both, a cache hit makes no driver call.
+PyTorch's contract: :func:`enable` turns on options ``captures_announced`` and
+``deferred_free_events`` (unless ``MOONBRIGHT_ALLOC_CONF`` or :func:`moonbright.configure` sets
+them), so that a cache hit makes no driver call. Without them every allocation asks the driver
+whether its stream is being captured (``cuStreamIsCapturing``) and every free asks again and
+records an event; inside a training step, where the launching thread keeps the driver busy,
+those three calls per allocation cost a ResNet-50 step about a third of its speed on an H100
+(docs/design.md, "PyTorch's hot path"). What the options assume is what PyTorch's own allocator
+assumes: a CUDA graph capture goes through ``torch.cuda.CUDAGraph`` (``torch.cuda.graph``,
+``make_graphed_callables``, ``torch.compile``'s CUDA graphs), which :func:`enable` wraps to
+announce it, so a capture begun from C++ behind PyTorch's back is not seen; and streams outlive
+the allocator (PyTorch's own streams do; a ``torch.cuda.ExternalStream`` that frees were ordered
+on must too), since the background worker records one event per stream for its latest frees.
+``MOONBRIGHT_ALLOC_CONF=captures_announced:false,deferred_free_events:false`` restores the
+checks.
 
 ``torch.compile(mode="reduce-overhead")`` works under :func:`enable`. Its CUDA-graph trees
 call allocator functions that CUDAPluggableAllocator does not forward (it raises "pluggable does
@@ -212,12 +215,24 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
             "moonbright.torch.enable(): MOONBRIGHT_ALLOC_CONF (or configure()) selects the host "
             "backend, whose memory CUDA kernels cannot use; use backend:auto or backend:cuda"
         )
+    if not _moonbright._use_torch_contract():
+        import warnings
+
+        warnings.warn(
+            "moonbright.torch.enable(): a MoonBright allocator was created before enable(), so "
+            "its options are fixed without PyTorch's contract (captures_announced, "
+            "deferred_free_events): every allocation and free makes driver calls, which slows "
+            "PyTorch's steps. Call enable() before any other moonbright call.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     _oom_as_torch_error = bool(oom_as_torch_error) and _pytorch_error_layout_ok(torch)
     _moonbright._set_torch_oom_type(torch.OutOfMemoryError if _oom_as_torch_error else None)
     alloc = _pluggable("moonbright_torch_alloc")
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
+        _moonbright._use_torch_contract(False)
         raise RuntimeError(
             "moonbright.torch.enable(): PyTorch refused to change its allocator, because its own "
             "CUDA allocator has already allocated. Call enable() before any CUDA work. "

@@ -367,3 +367,47 @@ def test_enable_peer_access_on_the_host_backend(lib):
     assert moonbright.memory_stats()["moonbright.driver_calls.peer_access"] >= 2
     moonbright.check_invariants()
     lib.moonbright_free(p, 3 * PAGE, 0, None)
+
+
+def test_torch_contract_fills_only_what_the_user_left_unset():
+    # What moonbright.torch.enable() does to the options before the first allocator exists.
+    code = """
+        import moonbright
+        from moonbright import _moonbright
+        assert moonbright.options()["captures_announced"] is False
+        assert moonbright.options()["deferred_free_events"] is False
+        assert _moonbright._use_torch_contract()
+        o = moonbright.options()
+        print(o["captures_announced"], o["deferred_free_events"])
+    """
+    r = run_py(code, conf="backend:host,host_page_size:64KiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"]
+    # Set in MOONBRIGHT_ALLOC_CONF: kept.
+    r = run_py(code.replace('assert moonbright.options()["deferred_free_events"] is False', ""),
+               conf="backend:host,host_page_size:64KiB,deferred_free_events:false")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]
+    # Set by configure(): kept, and the allocator is created with the rest of the contract.
+    r = run_py("""
+        import moonbright
+        from moonbright import _moonbright
+        moonbright.configure(captures_announced=False)
+        assert _moonbright._use_torch_contract()
+        moonbright.memory_stats()  # creates the allocator
+        o = moonbright.options()
+        print(o["captures_announced"], o["deferred_free_events"])
+        assert not _moonbright._use_torch_contract(False)  # fixed once an allocator exists
+    """, conf="backend:host,host_page_size:64KiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]
+    # Turned off again (enable() failed): the defaults.
+    r = run_py("""
+        import moonbright
+        from moonbright import _moonbright
+        assert _moonbright._use_torch_contract() and _moonbright._use_torch_contract(False)
+        o = moonbright.options()
+        print(o["captures_announced"], o["deferred_free_events"])
+    """, conf="backend:host,host_page_size:64KiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]

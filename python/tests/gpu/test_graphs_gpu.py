@@ -144,7 +144,7 @@ def test_a_capture_forked_onto_a_second_stream_allocates_on_both():
 
 
 def test_with_captures_announced_graphs_capture_and_eager_requests_ask_nothing():
-    """Option captures_announced: streams are checked for a capture only while
+    """Option captures_announced (on under enable()): streams are checked for a capture only while
     torch.cuda.CUDAGraph has one in progress. The graph still allocates from its pool and
     replays right; eager requests outside it make no capture query."""
     body = with_model(
@@ -175,12 +175,12 @@ def test_with_captures_announced_graphs_capture_and_eager_requests_ask_nothing()
                           "diff": diff}))
         """
     )
-    out = run(body, conf="captures_announced:true")
+    out = run(body)  # enable() announces captures unless told otherwise
     assert out["eager"] == 0, out
     assert out["in_capture"] > 0 and out["held"][0] > 0, out
     assert out["diff"] < 1e-4, out
-    default = run(body)
-    assert default["eager"] >= 2000, f"by default every request and free asks: {default}"
+    checked = run(body, conf="captures_announced:false")
+    assert checked["eager"] >= 2000, f"then every request and free asks: {checked}"
 
 
 def test_graphs_sharing_a_pool_reuse_its_memory():

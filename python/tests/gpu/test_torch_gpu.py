@@ -89,11 +89,37 @@ print(json.dumps({
 """
 
 
-# PyTorch's own contract for captures and streams: MoonBright's hot path makes no driver call.
-TORCH_CONTRACT = "captures_announced:true,deferred_free_events:true"
+# enable() takes PyTorch's own contract for captures and streams (MoonBright's hot path then
+# makes no driver call); this turns it off, for the checked path.
+NO_TORCH_CONTRACT = "captures_announced:false,deferred_free_events:false"
 
 
-@pytest.mark.parametrize("conf", ["", TORCH_CONTRACT])
+def test_enable_takes_torchs_contract_and_cache_hits_make_no_driver_call():
+    r = run(
+        """
+        import json, torch, moonbright, moonbright.torch
+        moonbright.torch.enable()
+        x = torch.empty(3 << 20, device="cuda")
+        y = torch.empty(1000, device="cuda")
+        del x, y
+        torch.cuda.synchronize()
+        before = moonbright.memory_stats()["moonbright.driver_calls.total"]
+        for _ in range(1000):
+            x = torch.empty(3 << 20, device="cuda")
+            y = torch.empty(1000, device="cuda")
+            del x, y
+        calls = moonbright.memory_stats()["moonbright.driver_calls.total"] - before
+        o = moonbright.options()
+        print(json.dumps({"calls": calls, "announced": o["captures_announced"],
+                          "deferred": o["deferred_free_events"]}))
+        """
+    )
+    assert r["announced"] and r["deferred"]
+    # The background worker may record an event or two meanwhile; 2,000 allocations made none.
+    assert r["calls"] < 20, r
+
+
+@pytest.mark.parametrize("conf", ["", NO_TORCH_CONTRACT])
 def test_llama_generate_and_train_bit_identical(conf):
     pytest.importorskip("transformers")
     ref = run("MODE = 'default'\n" + LLAMA)
