@@ -8,6 +8,7 @@
 
 mod growable;
 mod paged;
+mod stacks;
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
@@ -15,7 +16,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 
 use moonbright::conf;
-use moonbright::core::history::BlockState;
+use moonbright::core::history::{self, BlockState};
 use moonbright::devices::Devices;
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -133,10 +134,17 @@ fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, pool_mode: bool)
             return Err((format!("cannot allocate a negative size ({size} bytes)"), false, false));
         }
         let a = allocator(device).map_err(|e| (e, false, false))?;
-        let r = match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
-            Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
-            r => r,
-        };
+        // Taken before the allocator's lock: waiting for the GIL must hold nothing of ours.
+        let stack = stacks::for_alloc();
+        let r = history::with_context(stack, || {
+            match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
+                Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
+                r => r,
+            }
+        });
+        if let (Ok(p), true) = (&r, stack != 0) {
+            stacks::note_live(device as usize, *p, stack);
+        }
         r.map_err(|e| {
             let capture = matches!(e, Error::StreamCapture { .. });
             (format!("device {device}: {e}"), is_oom(&e), capture)
@@ -176,8 +184,11 @@ pub extern "C" fn moonbright_free(
     }
     let r = catch_unwind(AssertUnwindSafe(|| {
         let a = allocator(device)?;
-        a.free_async(ptr as u64, StreamHandle(stream as u64))
-            .map_err(|e| format!("device {device}: {e}"))
+        let stack = stacks::for_free();
+        history::with_context(stack, || a.free_async(ptr as u64, StreamHandle(stream as u64)))
+            .map_err(|e| format!("device {device}: {e}"))?;
+        stacks::forget_live(device as usize, ptr as u64);
+        Ok(())
     }));
     let msg = match r {
         Ok(Ok(())) => return,
@@ -504,10 +515,21 @@ fn empty_cache(py: Python<'_>, device: Option<i32>, wait: bool) -> PyResult<u64>
 
 /// Starts (or with enabled=False stops) recording up to `max_entries` allocation events, for
 /// `snapshot()`'s `device_traces`. With `device=None` it applies to every allocator that exists
-/// and to those created later.
+/// and to those created later. `context` records the Python stack of each request, in the
+/// `frames` of its trace entries and of the blocks it holds, as PyTorch's
+/// `_record_memory_history(context=...)`: None (no frames), "state" or "alloc" (allocations),
+/// "all" (allocations and frees). Frames cost a trip through the GIL per request; without
+/// them the entry points pay one atomic load. Stopping with `device=None` forgets them.
 #[pyfunction]
-#[pyo3(signature = (enabled=true, max_entries=100_000, device=None))]
-fn record_memory_history(enabled: bool, max_entries: usize, device: Option<i32>) -> PyResult<()> {
+#[pyo3(signature = (enabled=true, max_entries=100_000, device=None, context=None))]
+fn record_memory_history(
+    py: Python<'_>,
+    enabled: bool,
+    max_entries: usize,
+    device: Option<i32>,
+    context: Option<&str>,
+) -> PyResult<()> {
+    let mode = stacks::Mode::parse(context).map_err(PyValueError::new_err)?;
     let n = enabled.then_some(max_entries.max(1));
     match device {
         Some(d) => allocator(d).map_err(py_err)?.record_history(n),
@@ -518,6 +540,11 @@ fn record_memory_history(enabled: bool, max_entries: usize, device: Option<i32>)
                 a.record_history(n);
             }
         }
+    }
+    if enabled {
+        stacks::set_mode(py, mode)?;
+    } else if device.is_none() {
+        stacks::set_mode(py, stacks::Mode::Off)?;
     }
     Ok(())
 }
@@ -552,7 +579,9 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
                 bd.set_item("size", b.size)?;
                 bd.set_item("requested_size", b.requested_size)?;
                 bd.set_item("state", if active { "active_allocated" } else { "inactive" })?;
-                bd.set_item("frames", PyList::empty(py))?;
+                let frames =
+                    if active { stacks::block_frames(py, *i, b.addr)? } else { PyList::empty(py) };
+                bd.set_item("frames", frames)?;
                 blocks.append(bd)?;
             }
             let sd = PyDict::new(py);
@@ -579,7 +608,7 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
             e.set_item("size", ev.size)?;
             e.set_item("stream", ev.stream)?;
             e.set_item("time_us", ev.time_us)?;
-            e.set_item("frames", PyList::empty(py))?;
+            e.set_item("frames", stacks::frames(py, ev.context)?)?;
             traces[*i].append(e)?;
         }
     }
@@ -890,7 +919,10 @@ fn set_graph_pool_live(
 #[pyfunction]
 #[pyo3(signature = (ptr, stream, device=None))]
 fn free_async(ptr: u64, stream: u64, device: Option<i32>) -> PyResult<()> {
-    get(device)?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))
+    let d = default_device(device)?;
+    get(Some(d))?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))?;
+    stacks::forget_live(d as usize, ptr);
+    Ok(())
 }
 
 /// (blocks, bytes) that graph pools hold free for their graphs on `device`.
