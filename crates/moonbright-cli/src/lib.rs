@@ -1,4 +1,7 @@
-//! The `moonbright` command.
+//! The `moonbright` command, as a library: [`run`] takes the arguments and returns the exit
+//! status, for the binary (`src/main.rs`, `cargo run -p moonbright-cli`) and for the Python
+//! package's console script (`moonbright._moonbright.cli_main`), which pip installs as
+//! `moonbright`.
 //!
 //! - `moonbright demo` (the default) runs the fragmentation scenario on the best backend
 //!   available, for MoonBright and for a no-remap caching allocator on the same backend, and
@@ -9,8 +12,8 @@
 //! - `moonbright bench-traces DIR` replays every trace in a directory and writes a markdown table
 //!   and JSON beside PyTorch's recorded figures.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
-use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -109,8 +112,38 @@ enum Command {
     },
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// An exit status: 0 success, 1 failure, 2 a failed allocation in a replay (or a usage error).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitCode(pub u8);
+
+impl ExitCode {
+    /// 0.
+    pub const SUCCESS: ExitCode = ExitCode(0);
+    /// 1.
+    pub const FAILURE: ExitCode = ExitCode(1);
+}
+
+impl From<u8> for ExitCode {
+    fn from(code: u8) -> Self {
+        ExitCode(code)
+    }
+}
+
+/// Runs the command with `args` (the first is the program's name, as `std::env::args_os`
+/// gives it) and returns its exit status. Help and usage errors are printed as clap prints
+/// them (help with status 0, a usage error with 2); nothing exits the process.
+pub fn run<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
     let command = cli.command.unwrap_or(Command::Demo {
         backend: "auto".into(),
         cap_mib: 4096,
@@ -126,10 +159,10 @@ fn main() -> ExitCode {
         Command::BenchTraces { dir, args, out } => bench::command(&dir, &args, out),
     };
     match result {
-        Ok(code) => code,
+        Ok(code) => code.0.into(),
         Err(e) => {
             eprintln!("moonbright: {e}");
-            ExitCode::FAILURE
+            ExitCode::FAILURE.0.into()
         }
     }
 }

@@ -501,6 +501,18 @@ fn reset_peak_memory_stats(device: Option<i32>) -> PyResult<()> {
     Ok(())
 }
 
+/// Zeroes the cumulative figures of `device`'s allocator (PyTorch's
+/// `reset_accumulated_memory_stats`, which `moonbright.torch.enable()` routes here): every
+/// statistic's `.allocated` and `.freed`, `num_ooms`, `num_sync_all_streams`,
+/// `num_device_alloc` and `num_device_free`, and MoonBright's own counters. Current values and
+/// peaks stay.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn reset_accumulated_memory_stats(device: Option<i32>) -> PyResult<()> {
+    get(device)?.reset_accumulated_stats();
+    Ok(())
+}
+
 /// Gives every physical page no allocation uses back to the driver; returns the bytes released.
 /// With `wait` (the default, as `torch.cuda.empty_cache` under PyTorch's own allocator), first
 /// waits, without the GIL, for the stream work of every pending free; without it, such frees'
@@ -962,6 +974,35 @@ fn _set_torch_oom_type(cls: Option<Bound<'_, PyAny>>) -> PyResult<()> {
     Ok(())
 }
 
+/// Runs the `moonbright` command (`moonbright.cli`, the console script pip installs) with
+/// `argv` (its first item the program's name) and returns its exit status: the same code as
+/// the `moonbright` binary cargo builds (crates/moonbright-cli), without the GIL.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
+    py.allow_threads(|| {
+        catch_unwind(AssertUnwindSafe(|| moonbright_cli::run(argv))).unwrap_or_else(|p| {
+            eprintln!("moonbright: internal error (panic): {}", panic_message(&*p));
+            101
+        })
+    })
+}
+
+/// The version of the libnvrtc MoonBright finds (where `MOONBRIGHT_NVRTC` says, which the
+/// package points at pip's `nvidia-cuda-nvrtc`, else on the loader path), as (major, minor).
+/// Raises RuntimeError saying where it looked when there is none. The paged pool compiles its
+/// kernels with it.
+#[pyfunction]
+fn nvrtc_version() -> PyResult<(i32, i32)> {
+    moonbright::nvrtc::version().map_err(py_err)
+}
+
+/// Compiles CUDA C `src` to PTX with that libnvrtc (for tests; no GPU needed).
+#[pyfunction]
+#[pyo3(signature = (src, name="moonbright.cu", options=Vec::new()))]
+fn _nvrtc_compile(py: Python<'_>, src: &str, name: &str, options: Vec<String>) -> PyResult<String> {
+    py.allow_threads(|| moonbright::nvrtc::compile_ptx(src, name, options)).map_err(py_err)
+}
+
 /// Version of the package.
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -990,6 +1031,10 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clear_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;
+    m.add_function(wrap_pyfunction!(_nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(record_memory_history, m)?)?;
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;
