@@ -146,9 +146,10 @@ _TORCH_NEEDS = (
     "cuda.CUDAGraph.reset",
     "Tensor.record_stream",
 )
-# The private torch._C functions enable() replaces (_patch_statistics, _patch_graph_trees):
-# named after PyTorch 2.11's, and called with its arguments.
-_TORCH_PATCHES = (
+# The private torch._C functions enable() replaces, named after PyTorch 2.11's and called with
+# its arguments: those behind torch.cuda's statistics (_patch_statistics), and those of the
+# CUDA-graph trees (_patch_graph_trees).
+_STATISTICS_PATCHES = (
     "_cuda_memoryStats",
     "_cuda_resetPeakMemoryStats",
     "_cuda_resetAccumulatedMemoryStats",
@@ -157,6 +158,8 @@ _TORCH_PATCHES = (
     "_cuda_record_memory_history",
     "_cuda_setMemoryFraction",
     "_cuda_getMemoryFraction",
+)
+_GRAPH_TREE_PATCHES = (
     "_cuda_beginAllocateCurrentThreadToPool",
     "_cuda_endAllocateToPool",
     "_cuda_releasePool",
@@ -167,6 +170,7 @@ _TORCH_PATCHES = (
     "_free_And_Remove_DeleterFn",
     "_has_Standard_Deleter",
 )
+_TORCH_PATCHES = _STATISTICS_PATCHES + _GRAPH_TREE_PATCHES
 
 
 def _torch_version(torch: Any) -> tuple[int, int] | None:
@@ -555,17 +559,7 @@ def _patch_graph_trees(torch: Any) -> None:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     C = torch._C
-    names = (
-        "_cuda_beginAllocateCurrentThreadToPool",
-        "_cuda_endAllocateToPool",
-        "_cuda_releasePool",
-        "_cuda_getCheckpointState",
-        "_cuda_setCheckpointPoolState",
-        "_cuda_checkPoolLiveAllocations",
-        "_cuda_cudaCachingAllocator_raw_delete",
-        "_free_And_Remove_DeleterFn",
-        "_has_Standard_Deleter",
-    )
+    names = _GRAPH_TREE_PATCHES
     if not all(hasattr(C, n) for n in names):  # another PyTorch: leave it as it is
         return
     originals = {n: getattr(C, n) for n in names}
@@ -727,19 +721,7 @@ def _patch_statistics(torch: Any) -> None:
     looked up on ``torch._C`` at call time, so replacing them there reaches every caller.
     """
     C = torch._C
-    originals = {
-        name: getattr(C, name, None)
-        for name in (
-            "_cuda_memoryStats",
-            "_cuda_resetPeakMemoryStats",
-            "_cuda_resetAccumulatedMemoryStats",
-            "_cuda_emptyCache",
-            "_cuda_memorySnapshot",
-            "_cuda_record_memory_history",
-            "_cuda_setMemoryFraction",
-            "_cuda_getMemoryFraction",
-        )
-    }
+    originals = {name: getattr(C, name, None) for name in _STATISTICS_PATCHES}
     _keep.append(originals)
 
     def device_of(device: Any) -> int:
