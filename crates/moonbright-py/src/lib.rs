@@ -136,12 +136,11 @@ fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, pool_mode: bool)
         let a = allocator(device).map_err(|e| (e, false, false))?;
         // Taken before the allocator's lock: waiting for the GIL must hold nothing of ours.
         let stack = stacks::for_alloc();
-        let r = history::with_context(stack, || {
-            match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
-                Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
-                r => r,
-            }
-        });
+        let malloc = || match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
+            Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
+            r => r,
+        };
+        let r = if stack == 0 { malloc() } else { history::with_context(stack, malloc) };
         if let (Ok(p), true) = (&r, stack != 0) {
             stacks::note_live(device as usize, *p, stack);
         }
@@ -184,9 +183,12 @@ pub extern "C" fn moonbright_free(
     }
     let r = catch_unwind(AssertUnwindSafe(|| {
         let a = allocator(device)?;
-        let stack = stacks::for_free();
-        history::with_context(stack, || a.free_async(ptr as u64, StreamHandle(stream as u64)))
-            .map_err(|e| format!("device {device}: {e}"))?;
+        let free = || a.free_async(ptr as u64, StreamHandle(stream as u64));
+        match stacks::for_free() {
+            0 => free(),
+            stack => history::with_context(stack, free),
+        }
+        .map_err(|e| format!("device {device}: {e}"))?;
         stacks::forget_live(device as usize, ptr as u64);
         Ok(())
     }));
