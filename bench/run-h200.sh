@@ -22,8 +22,7 @@ status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
-# cudarc looks for libnvrtc.so; a CUDA 13 install may only have libnvrtc.so.13.
-# scripts/nvrtc-env.sh finds one and links it under that name.
+# scripts/nvrtc-env.sh finds a libnvrtc and names it in MOONBRIGHT_NVRTC.
 export PYTHON=$py
 source scripts/nvrtc-env.sh >"$out/nvrtc.txt"
 tee -a "$out/gpu.txt" <"$out/nvrtc.txt"

@@ -1,7 +1,7 @@
 # Sourced: finds a libnvrtc (CUDA install, PyTorch's nvidia wheels, PyPI's nvidia-cuda-nvrtc in
-# target/nvrtc) and puts it on LD_LIBRARY_PATH under the name cudarc loads (libnvrtc.so), since a
-# CUDA 13 install may only have libnvrtc.so.13. Prints what it found; finding none is not an
-# error (the NVRTC tests then skip, and a paged pool on the CUDA backend reports it).
+# target/nvrtc) and exports MOONBRIGHT_NVRTC, where MoonBright looks for it first (its directory
+# goes on LD_LIBRARY_PATH too). Prints what it found; finding none is not an error (the NVRTC
+# tests then skip, and a paged pool on the CUDA backend reports it).
 _mb_find_nvrtc() {
   local d f py=${PYTHON:-python3}
   for d in $(echo "${LD_LIBRARY_PATH:-}" | tr ':' ' ') target/nvrtc/nvidia/*/lib \
@@ -18,9 +18,8 @@ for s in site.getsitepackages():
 }
 _mb_nvrtc=$(_mb_find_nvrtc)
 if [ -n "$_mb_nvrtc" ]; then
-  _mb_link=$(mktemp -d)
-  ln -sf "$(readlink -f "$_mb_nvrtc")" "$_mb_link/libnvrtc.so"
-  export LD_LIBRARY_PATH="$_mb_link:$(dirname "$(readlink -f "$_mb_nvrtc")"):${LD_LIBRARY_PATH:-}"
+  export MOONBRIGHT_NVRTC="$(readlink -f "$_mb_nvrtc")"
+  export LD_LIBRARY_PATH="$(dirname "$MOONBRIGHT_NVRTC"):${LD_LIBRARY_PATH:-}"
   echo "libnvrtc: $_mb_nvrtc"
 else
   echo "libnvrtc: not found"

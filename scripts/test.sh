@@ -27,14 +27,25 @@ RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
 # missing; skipped with a message if it cannot be).
 bash scripts/sanitize.sh thread address
 
-# The Python package: build the abi3 wheel, install it into a private folder, run pytest.
+# The Python package as a user gets it: build the abi3 wheel, install it with its test extra
+# into a fresh virtual environment, and run the CPU tests from a copy of python/tests outside the
+# repository, so that nothing of the repository is on the path but the installed package.
 python3 -m maturin --version >/dev/null 2>&1 || python3 -m pip install -q maturin
-python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest
-# The paged pool's Python tests build their tables with numpy.
-python3 -c "import numpy" >/dev/null 2>&1 || python3 -m pip install -q numpy
 # The interposer, for the Python test that loads it (moonbright.preload).
 cargo build --release -p moonbright-preload
-rm -rf target/wheel target/pysite
+rm -rf target/wheel
 python3 -m maturin build --release --out target/wheel
-python3 -m pip install -q --no-deps --target target/pysite target/wheel/moonbright-*.whl
-PYTHONPATH=target/pysite python3 -m pytest -q python/tests
+repo=$PWD
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+python3 -m venv "$scratch/venv"
+"$scratch/venv/bin/python" -m pip install -q "$(ls target/wheel/moonbright-*.whl)[test]"
+# pip installed the command too.
+"$scratch/venv/bin/moonbright" --help >/dev/null
+cp -r python/tests "$scratch/tests"
+cd "$scratch"
+"$scratch/venv/bin/python" -c 'import moonbright, sys
+assert moonbright.__file__.startswith(sys.prefix), moonbright.__file__'
+MOONBRIGHT_PRELOAD_LIB="$repo/target/release/libmoonbright_preload.so" \
+  MOONBRIGHT_TEST_NVRTC_SITE="$repo/target/nvrtc" \
+  "$scratch/venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$scratch/tests" tests

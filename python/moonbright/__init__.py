@@ -51,11 +51,42 @@ leave the message for :func:`last_error`.
 
 from __future__ import annotations
 
+import glob
+import os
 import pickle
+import re
+import sys
 from typing import Any
 
-from . import _moonbright, ipc
-from ._moonbright import (
+
+def _pip_nvrtc(paths: list[str]) -> list[str]:
+    """The libnvrtc files of NVIDIA's pip packages under ``paths`` (``sys.path`` entries):
+    ``nvidia/cuda_nvrtc/lib`` (CUDA 12's nvidia-cuda-nvrtc-cu12), ``nvidia/cu13/lib`` (CUDA
+    13's nvidia-cuda-nvrtc, which PyTorch's CUDA 13 wheels install), newest version first."""
+    found: list[tuple[tuple[int, ...], str]] = []
+    for base in dict.fromkeys(p for p in paths if isinstance(p, str) and p):
+        nvidia = os.path.join(base, "nvidia")
+        if not os.path.isdir(nvidia):
+            continue
+        for path in glob.glob(os.path.join(nvidia, "*", "lib", "libnvrtc.so*")):
+            m = re.fullmatch(r"libnvrtc\.so((?:\.\d+)*)", os.path.basename(path))
+            if m is not None:
+                found.append((tuple(int(n) for n in m.group(1).split(".")[1:]), path))
+    found.sort(key=lambda item: item[0], reverse=True)
+    return [path for _, path in found]
+
+
+# MoonBright looks for libnvrtc (the paged pool compiles its kernels with it) where
+# MOONBRIGHT_NVRTC says first, then on the loader path, which a process cannot change once it
+# runs: point it at pip's nvidia-cuda-nvrtc, unless it is set already.
+if not os.environ.get("MOONBRIGHT_NVRTC"):
+    _found = _pip_nvrtc(sys.path)
+    if _found:
+        os.environ["MOONBRIGHT_NVRTC"] = os.pathsep.join(_found)
+    del _found
+
+from . import _moonbright, ipc  # noqa: E402
+from ._moonbright import (  # noqa: E402
     CONF_KEYS,
     ENV_VAR,
     Growable,
@@ -87,7 +118,9 @@ from ._moonbright import (
     peers,
     record_memory_history,
     record_stream,
+    nvrtc_version,
     release_graph_pool,
+    reset_accumulated_memory_stats,
     reset_peak_memory_stats,
     set_cap,
     set_graph_pool_live,
@@ -125,7 +158,7 @@ __all__ = [
     "memory_fraction",
     "memory_stats",
     "memory_stats_as_nested_dict",
-    "memory_summary",
+    "nvrtc_version",
     "options",
     "page_size",
     "parse_conf",
@@ -133,6 +166,7 @@ __all__ = [
     "record_memory_history",
     "record_stream",
     "release_graph_pool",
+    "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_cap",
     "set_graph_pool_live",
@@ -167,61 +201,3 @@ def memory_stats_as_nested_dict(device: int | None = None) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return out
-
-
-def _format_size(n: int) -> str:
-    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 10 * 1024 or unit == "TiB":
-            return f"{n:7d} {unit}"
-        n //= 1024
-    return f"{n:7d} TiB"  # unreachable
-
-
-def memory_summary(device: int | None = None) -> str:
-    """A readable table of :func:`memory_stats`: PyTorch's figures and MoonBright's own."""
-    s = memory_stats(device)
-    dev = options(device)["device"]
-    lines = [
-        "=" * 79,
-        f" MoonBright memory summary, device {dev}, backend {backend(device)}, "
-        f"cap {_format_size(s['moonbright.cap_bytes']).strip()}",
-        "-" * 79,
-        f" {'Metric':<24}| {'Cur Usage':>11} | {'Peak Usage':>11} | {'Tot Alloc':>11} | "
-        f"{'Tot Freed':>11}",
-        "-" * 79,
-    ]
-    rows = [
-        ("Requested memory", "requested_bytes.all", True),
-        ("Active (rounded) memory", "active_bytes.all", True),
-        ("Reserved memory", "reserved_bytes.all", True),
-        ("Rounding waste", "moonbright.rounding_waste_bytes", True),
-        ("Mapped virtual memory", "moonbright.mapped_bytes", True),
-        ("Allocations", "allocation.all", False),
-        ("Physical chunks", "moonbright.chunks", False),
-        ("Mapped handles", "moonbright.mapped_handles", False),
-        ("Cached ranges", "moonbright.cached_ranges", False),
-        ("Retired ranges", "moonbright.retired_ranges", False),
-    ]
-    for name, prefix, is_bytes in rows:
-        vals = [s[f"{prefix}.{k}"] for k in ("current", "peak", "allocated", "freed")]
-        cells = [_format_size(v) if is_bytes else f"{v:11d}" for v in vals]
-        lines.append(f" {name:<24}| " + " | ".join(f"{c:>11}" for c in cells))
-    lines.append("-" * 79)
-    lines.append(
-        f" OOMs: {s['num_ooms']}   cache hits: {s['moonbright.cache_hits']}   "
-        f"sub-page allocations: {s['moonbright.subpage_allocations']}   "
-        f"stolen cached ranges: {s['moonbright.cached_ranges_stolen']}"
-    )
-    lines.append(
-        f" unmap batches: {s['moonbright.unmap_batches']}   chunk splits: "
-        f"{s['moonbright.chunk_splits']}   peak reserved / peak requested: "
-        f"{s['moonbright.reserved_over_allocated_peak']:.3f}"
-    )
-    calls = ", ".join(
-        f"{k.split('.')[-1]} {v}"
-        for k, v in sorted(s.items())
-        if k.startswith("moonbright.driver_calls.") and not k.endswith(".total") and v
-    )
-    lines.append(f" driver calls: {s['moonbright.driver_calls.total']} ({calls or 'none'})")
-    lines.append("=" * 79)
-    return "\n".join(lines) + "\n"

@@ -15,9 +15,13 @@ mode where MoonBright's figures apply (peak reserved close to peak requested).
 
 ``torch.cuda.memory_stats()``, ``memory_allocated()``, ``max_memory_allocated()``,
 ``memory_reserved()``, ``max_memory_reserved()``, ``reset_peak_memory_stats()``,
-``memory_summary()``, ``empty_cache()`` and ``torch.cuda.memory._snapshot()`` keep working and
-report MoonBright's figures (PyTorch's CUDAPluggableAllocator raises "does not yet support
-getDeviceStats" for them; :func:`enable` replaces the ``torch._C`` functions they call).
+``reset_accumulated_memory_stats()``, ``memory_summary()``, ``empty_cache()`` and
+``torch.cuda.memory._snapshot()`` keep working and report MoonBright's figures (PyTorch's
+CUDAPluggableAllocator raises "does not yet support getDeviceStats" for them; :func:`enable`
+replaces the ``torch._C`` functions they call).
+``torch.cuda.memory._record_memory_history(context="all")`` records the Python frames of each
+allocation and free in the snapshot, for PyTorch's memory viewer (C++ frames are not recorded,
+whatever ``stacks`` asks).
 ``set_per_process_memory_fraction()``, which the pluggable allocator ignores, sets MoonBright's
 cap (:func:`moonbright.set_memory_fraction`), and ``get_per_process_memory_fraction()`` reads it.
 ``empty_cache()`` waits, as under PyTorch's allocator, for the GPU work queued before each pending
@@ -133,6 +137,103 @@ def _torch() -> Any:
     return torch
 
 
+# The PyTorch release enable() is tested with (pyproject's `torch` extra: torch>=2.11,<2.12).
+TESTED_TORCH = (2, 11)
+# What enable() cannot work without: it raises when one is missing.
+_TORCH_NEEDS = (
+    "cuda.memory.CUDAPluggableAllocator",
+    "cuda.memory.change_current_allocator",
+    "cuda.CUDAGraph.capture_begin",
+    "cuda.CUDAGraph.capture_end",
+    "cuda.CUDAGraph.replay",
+    "cuda.CUDAGraph.reset",
+    "Tensor.record_stream",
+)
+# The private torch._C functions enable() replaces, named after PyTorch 2.11's and called with
+# its arguments: those behind torch.cuda's statistics (_patch_statistics), and those of the
+# CUDA-graph trees (_patch_graph_trees).
+_STATISTICS_PATCHES = (
+    "_cuda_memoryStats",
+    "_cuda_resetPeakMemoryStats",
+    "_cuda_resetAccumulatedMemoryStats",
+    "_cuda_emptyCache",
+    "_cuda_memorySnapshot",
+    "_cuda_record_memory_history",
+    "_cuda_setMemoryFraction",
+    "_cuda_getMemoryFraction",
+)
+_GRAPH_TREE_PATCHES = (
+    "_cuda_beginAllocateCurrentThreadToPool",
+    "_cuda_endAllocateToPool",
+    "_cuda_releasePool",
+    "_cuda_getCheckpointState",
+    "_cuda_setCheckpointPoolState",
+    "_cuda_checkPoolLiveAllocations",
+    "_cuda_cudaCachingAllocator_raw_delete",
+    "_free_And_Remove_DeleterFn",
+    "_has_Standard_Deleter",
+)
+_TORCH_PATCHES = _STATISTICS_PATCHES + _GRAPH_TREE_PATCHES
+
+
+def _torch_version(torch: Any) -> tuple[int, int] | None:
+    """(major, minor) of ``torch.__version__`` ("2.11.0+cu130" -> (2, 11)), None if unreadable."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(getattr(torch, "__version__", "")))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _check_torch_version(torch: Any) -> None:
+    """Checks the installed PyTorch against the release :func:`enable` is tested with
+    (:data:`TESTED_TORCH`, 2.11.x). Raises RuntimeError when something enable() cannot work
+    without is missing (the pluggable allocator, ``CUDAGraph``'s methods,
+    ``Tensor.record_stream``). Outside the tested release, or when a private ``torch._C``
+    function it replaces is missing, warns (RuntimeWarning) and lets enable() go on: it replaces
+    the functions that exist; those whose arguments changed may then fail when called, and
+    those missing stay PyTorch's own (under the pluggable allocator, their features raise or
+    report nothing)."""
+    import warnings
+
+    version = str(getattr(torch, "__version__", "unknown"))
+    tested = "{}.{}.x".format(*TESTED_TORCH)
+
+    def lookup(path: str) -> Any:
+        obj = torch
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
+
+    needed = [f"torch.{n}" for n in _TORCH_NEEDS if lookup(n) is None]
+    if needed:
+        raise RuntimeError(
+            f"moonbright.torch.enable(): PyTorch {version} lacks {', '.join(needed)}, which "
+            f"MoonBright needs to become its CUDA allocator (it is tested with PyTorch {tested}; "
+            "pip install 'moonbright[torch]' installs that release)"
+        )
+    C = getattr(torch, "_C", None)
+    missing = [f"torch._C.{n}" for n in _TORCH_PATCHES if getattr(C, n, None) is None]
+    in_range = _torch_version(torch) == TESTED_TORCH
+    if in_range and not missing:
+        return
+    text = [
+        f"moonbright.torch.enable(): PyTorch {version} "
+        + (f"is outside the release MoonBright is tested with ({tested}). " if not in_range
+           else f"is the tested release ({tested}) but not as MoonBright knows it. ")
+        + "enable() goes on: MoonBright becomes the allocator through PyTorch's pluggable "
+        "allocator, and it replaces private torch._C functions behind torch.cuda's statistics, "
+        "snapshots, memory history, memory fraction, empty_cache, record_stream and "
+        "CUDA-graph trees, written for PyTorch's "
+        f"{tested} arguments; if this release changed them, those calls may fail."
+    ]
+    if missing:
+        text.append(
+            f" Missing here, so left as PyTorch's own (their features may raise or report "
+            f"nothing under the pluggable allocator): {', '.join(missing)}."
+        )
+    warnings.warn("".join(text), RuntimeWarning, stacklevel=3)
+
+
 def is_enabled() -> bool:
     """Whether :func:`enable` made MoonBright PyTorch's global CUDA allocator."""
     return _enabled
@@ -198,6 +299,7 @@ def enable(*, oom_as_torch_error: bool = True) -> None:
     if _enabled:
         return
     torch = _torch()
+    _check_torch_version(torch)
     if not torch.cuda.is_available():
         raise RuntimeError(
             "moonbright.torch.enable(): PyTorch sees no CUDA device (torch.cuda.is_available() "
@@ -472,17 +574,7 @@ def _patch_graph_trees(torch: Any) -> None:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     C = torch._C
-    names = (
-        "_cuda_beginAllocateCurrentThreadToPool",
-        "_cuda_endAllocateToPool",
-        "_cuda_releasePool",
-        "_cuda_getCheckpointState",
-        "_cuda_setCheckpointPoolState",
-        "_cuda_checkPoolLiveAllocations",
-        "_cuda_cudaCachingAllocator_raw_delete",
-        "_free_And_Remove_DeleterFn",
-        "_has_Standard_Deleter",
-    )
+    names = _GRAPH_TREE_PATCHES
     if not all(hasattr(C, n) for n in names):  # another PyTorch: leave it as it is
         return
     originals = {n: getattr(C, n) for n in names}
@@ -633,7 +725,8 @@ def _patch_statistics(torch: Any) -> None:
     ``memory_stats_as_nested_dict``, which returns ``torch._C._cuda_memoryStats(device)``;
     ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
     ``max_memory_reserved`` and ``memory_summary`` read ``memory_stats``;
-    ``reset_peak_memory_stats`` calls ``torch._C._cuda_resetPeakMemoryStats(device)``;
+    ``reset_peak_memory_stats`` calls ``torch._C._cuda_resetPeakMemoryStats(device)``, and
+    ``reset_accumulated_memory_stats`` ``torch._C._cuda_resetAccumulatedMemoryStats(device)``;
     ``empty_cache`` calls ``torch._C._cuda_emptyCache()``; ``memory_snapshot`` and
     ``_snapshot`` call ``torch._C._cuda_memorySnapshot(...)``; ``_record_memory_history``
     calls ``torch._C._cuda_record_memory_history(...)``; ``set_per_process_memory_fraction``
@@ -643,19 +736,7 @@ def _patch_statistics(torch: Any) -> None:
     looked up on ``torch._C`` at call time, so replacing them there reaches every caller.
     """
     C = torch._C
-    originals = {
-        name: getattr(C, name, None)
-        for name in (
-            "_cuda_memoryStats",
-            "_cuda_resetPeakMemoryStats",
-            "_cuda_resetAccumulatedMemoryStats",
-            "_cuda_emptyCache",
-            "_cuda_memorySnapshot",
-            "_cuda_record_memory_history",
-            "_cuda_setMemoryFraction",
-            "_cuda_getMemoryFraction",
-        )
-    }
+    originals = {name: getattr(C, name, None) for name in _STATISTICS_PATCHES}
     _keep.append(originals)
 
     def device_of(device: Any) -> int:
@@ -670,11 +751,7 @@ def _patch_statistics(torch: Any) -> None:
         moonbright.reset_peak_memory_stats(device_of(device))
 
     def reset_accumulated(device: Any = None) -> None:
-        raise RuntimeError(
-            "MoonBright keeps its cumulative totals (the .allocated and .freed figures) for the "
-            "life of the process; reset_accumulated_memory_stats is not supported. "
-            "reset_peak_memory_stats is."
-        )
+        moonbright.reset_accumulated_memory_stats(device_of(device))
 
     def empty_cache(*args: Any, **kwargs: Any) -> None:
         # Waits for pending frees' stream work first: PyTorch's own empty_cache gives back
@@ -687,13 +764,25 @@ def _patch_statistics(torch: Any) -> None:
     def memory_snapshot(*args: Any, **kwargs: Any) -> dict[str, Any]:
         return moonbright.snapshot()
 
-    def record_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
-        max_entries = kwargs.get("max_entries")
-        if max_entries is None:
-            ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
-            max_entries = ints[0] if ints else 100_000
+    def record_history(
+        enabled: Any = "all",
+        context: Any = "all",
+        stacks: Any = "all",
+        max_entries: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        # PyTorch 2.11's torch.cuda.memory._record_memory_history passes (enabled, context,
+        # stacks, max_entries, clear_history, ...). The frames of `context` are Python's,
+        # whatever `stacks` asks (MoonBright records no C++ frames).
+        if not isinstance(max_entries, int) or isinstance(max_entries, bool):
+            max_entries = 100_000
         on = enabled not in (None, False)
-        moonbright.record_memory_history(on, max_entries=max(1, min(int(max_entries), 1 << 24)))
+        moonbright.record_memory_history(
+            on,
+            max_entries=max(1, min(int(max_entries), 1 << 24)),
+            context=context if on and context in ("state", "alloc", "all") else None,
+        )
 
     def set_fraction(fraction: float, device: Any = None) -> None:
         moonbright.set_memory_fraction(float(fraction), device_of(device))

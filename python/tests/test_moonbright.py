@@ -226,23 +226,139 @@ def test_snapshot_structure(lib, tmp_path):
 
 def test_snapshot_opens_in_pytorch_memory_viz(lib):
     memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    moonbright.record_memory_history(True, context="all")
+    try:
+        ptrs = [_allocate_here(lib, n) for n in (PAGE, 3 * PAGE, 500, 7000)]
+        for p in ptrs[::2]:
+            _free_here(lib, p)
+        snap = moonbright.snapshot()
+        # The viewer's pages carry the snapshot with its frames: who allocated, who freed.
+        for page in (memory_viz.segment_plot(snap), memory_viz.trace_plot(snap)):
+            shown = viewer_snapshot(page)
+            assert shown["device_traces"] == snap["device_traces"]
+            assert shown["segments"] == snap["segments"]
+        names = {f["name"] for e in snap["device_traces"][0] for f in e["frames"]}
+        assert {"_allocate_here", "_free_here"} <= names
+        # Its flame graph of live blocks names the allocating frame.
+        lines = memory_viz.memory(snap, format_flamegraph=lambda lines: lines)
+        assert "test_moonbright.py:" in lines and ":_allocate_here" in lines
+        for p in ptrs[1::2]:
+            lib.moonbright_free(p, 0, 0, None)
+    finally:
+        moonbright.record_memory_history(False)
+
+
+def viewer_snapshot(page):
+    """The snapshot a memory_viz HTML page hands its viewer (a base64 pickle)."""
+    import base64
+    import json
+    import re
+
+    files = json.loads(re.search(r'(\[\{"name": "snapshot\.pickle".*?\}\])', page).group(1))
+    return pickle.loads(base64.b64decode(files[0]["base64"]))
+
+
+def _allocate_here(lib, n):
+    return lib.moonbright_alloc(n, 0, None)
+
+
+def _free_here(lib, p):
+    lib.moonbright_free(p, 0, 0, None)
+
+
+def _event(snap, action, addr):
+    return next(e for e in snap["device_traces"][0] if e["action"] == action and e["addr"] == addr)
+
+
+def _block(snap, addr):
+    return next(b for s in snap["segments"] for b in s["blocks"] if b["address"] == addr)
+
+
+def test_history_with_stacks_records_python_frames(lib):
+    moonbright.record_memory_history(True, context="all")
+    try:
+        p = _allocate_here(lib, 2 * PAGE)  # ctypes releases the GIL, as PyTorch's ops do
+        snap = moonbright.snapshot()
+        frames = _event(snap, "alloc", p)["frames"]
+        assert [set(f) for f in frames[:1]] == [{"filename", "line", "name"}]
+        names = [f["name"] for f in frames]
+        assert names[0] == "_allocate_here", names
+        assert "test_history_with_stacks_records_python_frames" in names
+        assert frames[0]["filename"] == __file__ and frames[0]["line"] > 0
+        assert _block(snap, p)["frames"] == frames, "a live block shows who allocated it"
+        _free_here(lib, p)
+        snap = moonbright.snapshot()
+        assert _event(snap, "free_requested", p)["frames"][0]["name"] == "_free_here"
+
+        # From another thread: that thread's frames.
+        import threading
+
+        out = []
+
+        def worker_allocates():
+            out.append(_allocate_here(lib, PAGE))
+
+        t = threading.Thread(target=worker_allocates)
+        t.start()
+        t.join()
+        snap = moonbright.snapshot()
+        names = [f["name"] for f in _event(snap, "alloc", out[0])["frames"]]
+        assert names[:2] == ["_allocate_here", "worker_allocates"], names
+        assert "test_history_with_stacks_records_python_frames" not in names
+        _free_here(lib, out[0])
+    finally:
+        moonbright.record_memory_history(False)
+
+
+def test_history_context_choices(lib):
+    # "alloc": frames of allocations only.
+    moonbright.record_memory_history(True, context="alloc")
+    try:
+        p = _allocate_here(lib, PAGE)
+        _free_here(lib, p)
+        snap = moonbright.snapshot()
+        assert _event(snap, "alloc", p)["frames"][0]["name"] == "_allocate_here"
+        assert _event(snap, "free_requested", p)["frames"] == []
+    finally:
+        moonbright.record_memory_history(False)
+    # No context: no frames, and stopping forgot the earlier ones.
     moonbright.record_memory_history(True)
-    ptrs = [lib.moonbright_alloc(n, 0, None) for n in (PAGE, 3 * PAGE, 500, 7000)]
-    for p in ptrs[::2]:
-        lib.moonbright_free(p, 0, 0, None)
-    snap = moonbright.snapshot()
-    assert memory_viz.segment_plot(snap)
-    assert memory_viz.trace_plot(snap)
-    for p in ptrs[1::2]:
-        lib.moonbright_free(p, 0, 0, None)
-    moonbright.record_memory_history(False)
+    try:
+        p = _allocate_here(lib, PAGE)
+        snap = moonbright.snapshot()
+        assert _event(snap, "alloc", p)["frames"] == []
+        assert _block(snap, p)["frames"] == []
+        _free_here(lib, p)
+    finally:
+        moonbright.record_memory_history(False)
+    with pytest.raises(ValueError, match="context"):
+        moonbright.record_memory_history(True, context="python")
 
 
-def test_summary_and_empty_cache(lib):
+def test_reset_accumulated_memory_stats(lib):
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    q = lib.moonbright_alloc(300, 0, None)
+    lib.moonbright_free(q, 0, 0, None)
+    before = moonbright.memory_stats()
+    assert before["allocation.all.allocated"] >= 2 and before["allocation.all.freed"] >= 1
+    moonbright.reset_accumulated_memory_stats()
+    s = moonbright.memory_stats()
+    for family in ("allocated_bytes", "requested_bytes", "active_bytes", "reserved_bytes",
+                   "allocation", "active", "segment"):
+        assert s[f"{family}.all.allocated"] == 0 and s[f"{family}.all.freed"] == 0, family
+        assert s[f"{family}.all.current"] == before[f"{family}.all.current"], family
+        assert s[f"{family}.all.peak"] == before[f"{family}.all.peak"], family
+    assert s["num_ooms"] == 0 and s["num_device_alloc"] == 0 and s["num_device_free"] == 0
+    assert s["moonbright.driver_calls.total"] == 0
+    lib.moonbright_free(p, 0, 0, None)
+    s = moonbright.memory_stats()
+    assert s["allocation.all.freed"] == 1 and s["allocation.all.allocated"] == 0
+
+
+def test_empty_cache(lib):
     p = lib.moonbright_alloc(PAGE, 0, None)
     lib.moonbright_free(p, 0, 0, None)
-    text = moonbright.memory_summary()
-    assert "Reserved memory" in text and "driver calls" in text
+    assert not hasattr(moonbright, "memory_summary"), "torch.cuda.memory_summary() is the one"
     assert moonbright.empty_cache(wait=False) >= PAGE  # nothing pending: both release it
     p = lib.moonbright_alloc(PAGE, 0, None)
     lib.moonbright_free(p, 0, 0, None)

@@ -58,9 +58,10 @@
 #define MB_ERR_STREAM_CAPTURE 8
 
 /**
- * Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
+ * Memory could not be shared with, or taken from, another process (`mb_ipc_*`). (Codes 9 to 12
+ * are the paged pool's, `MB_ERR_UNKNOWN_SEQUENCE` and after.)
  */
-#define MB_ERR_IPC 9
+#define MB_ERR_IPC 13
 
 /**
  * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
@@ -142,7 +143,7 @@ typedef struct mb_options {
    */
   uint64_t max_chunk_bytes;
   /**
-   * Retired ranges that trigger an unmap batch; 0: 64.
+   * Retired ranges that trigger an unmap batch; 0: 256.
    */
   uint64_t unmap_batch_ranges;
 } mb_options;
@@ -359,6 +360,24 @@ void mb_options_default(struct mb_options *out);
  * pointer.
  */
 int mb_create(const struct mb_options *opts, struct mb_allocator **out);
+
+/**
+ * Creates an allocator with the options a configuration string names and stores it in `*out`:
+ * `key:value` pairs separated by commas, the keys and syntax of `MOONBRIGHT_ALLOC_CONF`
+ * (`"backend:host,cap:12GiB,unmap_batch:32"`), over the defaults. NULL or "" gives the
+ * defaults. Every option MoonBright has is reachable this way, including those added after
+ * `mb_options` was laid out, so a program compiled against this header keeps working as
+ * options are added. The environment variable itself is not read.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for a NULL `out`, a string that is not UTF-8, an unknown
+ * key, an item that is not `key:value` or a bad value (the last error names the key and what
+ * it allows); `MB_ERR_NO_BACKEND` and `MB_ERR_DRIVER` as `mb_create`. `*out` is untouched on
+ * failure.
+ *
+ * # Safety
+ * `conf` is NULL or a NUL-terminated string; `out` is NULL or valid for a write of a pointer.
+ */
+int mb_create_conf(const char *conf, struct mb_allocator **out);
 
 /**
  * Destroys an allocator, giving all its memory back to the driver. Allocations still live are

@@ -46,8 +46,9 @@ pub const MB_ERR_NO_BACKEND: c_int = 6;
 pub const MB_ERR_INTERNAL: c_int = 7;
 /// A stream-ordered request on a stream being captured into a CUDA graph (refused).
 pub const MB_ERR_STREAM_CAPTURE: c_int = 8;
-/// Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
-pub const MB_ERR_IPC: c_int = 9;
+/// Memory could not be shared with, or taken from, another process (`mb_ipc_*`). (Codes 9 to 12
+/// are the paged pool's, `MB_ERR_UNKNOWN_SEQUENCE` and after.)
+pub const MB_ERR_IPC: c_int = 13;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
 pub const MB_BACKEND_AUTO: c_int = 0;
@@ -80,7 +81,7 @@ pub struct mb_options {
     pub host_capacity: u64,
     /// Largest physical chunk in bytes, a power of two; 0: 64 MiB.
     pub max_chunk_bytes: u64,
-    /// Retired ranges that trigger an unmap batch; 0: 64.
+    /// Retired ranges that trigger an unmap batch; 0: 256.
     pub unmap_batch_ranges: u64,
 }
 
@@ -423,6 +424,52 @@ pub unsafe extern "C" fn mb_create(opts: *const mb_options, out: *mut *mut mb_al
         let handle = Box::into_raw(Box::new(mb_allocator { inner }));
         // SAFETY: `out` is non-NULL and, by the caller's contract, valid for a write of a pointer.
         unsafe { write_out(out, "out", handle) }
+    })
+}
+
+/// Creates an allocator with the options a configuration string names and stores it in `*out`:
+/// `key:value` pairs separated by commas, the keys and syntax of `MOONBRIGHT_ALLOC_CONF`
+/// (`"backend:host,cap:12GiB,unmap_batch:32"`), over the defaults. NULL or "" gives the
+/// defaults. Every option MoonBright has is reachable this way, including those added after
+/// `mb_options` was laid out, so a program compiled against this header keeps working as
+/// options are added. The environment variable itself is not read.
+///
+/// Returns `MB_ERR_INVALID_ARGUMENT` for a NULL `out`, a string that is not UTF-8, an unknown
+/// key, an item that is not `key:value` or a bad value (the last error names the key and what
+/// it allows); `MB_ERR_NO_BACKEND` and `MB_ERR_DRIVER` as `mb_create`. `*out` is untouched on
+/// failure.
+///
+/// # Safety
+/// `conf` is NULL or a NUL-terminated string; `out` is NULL or valid for a write of a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mb_create_conf(conf: *const c_char, out: *mut *mut mb_allocator) -> c_int {
+    call(|| {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let options = if conf.is_null() {
+            Options::default()
+        } else {
+            // SAFETY: a non-NULL `conf` is, by the caller's contract, a NUL-terminated string,
+            // read here only.
+            let text = unsafe { CStr::from_ptr(conf) }.to_str().map_err(|e| {
+                Failure::invalid(format!("invalid argument: `conf` is not UTF-8 ({e})"))
+            })?;
+            options_from_conf(text)?
+        };
+        let inner = Allocator::new(options)?;
+        let handle = Box::into_raw(Box::new(mb_allocator { inner }));
+        // SAFETY: `out` is non-NULL and, by the caller's contract, valid for a write of a pointer.
+        unsafe { write_out(out, "out", handle) }
+    })
+}
+
+/// The options a configuration string gives, through the one validation path there is
+/// (`moonbright::conf`), its errors prefixed so that a C caller sees where they came from.
+fn options_from_conf(text: &str) -> Result<Options, Failure> {
+    moonbright::conf::parse_conf(text).map_err(|e| Failure {
+        status: status_of(&e),
+        message: format!("mb_create_conf(\"{}\"): {e}", text.escape_debug()),
     })
 }
 
@@ -950,6 +997,7 @@ pub extern "C" fn mb_status_string(status: c_int) -> *const c_char {
         MB_ERR_FREED_SEQUENCE => c"sequence was freed",
         MB_ERR_CAPACITY => c"capacity exceeded",
         MB_ERR_INVALID_REQUEST => c"invalid request",
+        MB_ERR_IPC => c"inter-process sharing failed",
         _ => c"unknown status",
     };
     s.as_ptr()

@@ -2,8 +2,8 @@
 //! directory and writes `results.md` (a markdown table) and `results.json` beside PyTorch's own
 //! figures on the same traces.
 
+use crate::ExitCode;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 
 use serde_json::json;
 

@@ -1,7 +1,7 @@
 //! `moonbright demo`: the fragmentation scenario, MoonBright against a no-remap caching allocator
 //! on the same backend.
 
-use std::process::ExitCode;
+use crate::ExitCode;
 
 use moonbright::baseline::NoRemapAllocator;
 use moonbright::scenario::{fragmentation, FragmentationReport};

@@ -1,8 +1,8 @@
 //! `moonbright replay TRACE`: loads a trace, replays it through MoonBright and reports.
 
+use crate::ExitCode;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};

@@ -8,6 +8,7 @@
 
 mod growable;
 mod paged;
+mod stacks;
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
@@ -15,7 +16,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 
 use moonbright::conf;
-use moonbright::core::history::BlockState;
+use moonbright::core::history::{self, BlockState};
 use moonbright::devices::Devices;
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, Stat, Stats, StreamHandle};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -163,10 +164,16 @@ fn alloc_entry(size: isize, device: c_int, stream: *mut c_void, pool_mode: bool)
             return Err((format!("cannot allocate a negative size ({size} bytes)"), false, false));
         }
         let a = allocator(device).map_err(|e| (e, false, false))?;
-        let r = match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
+        // Taken before the allocator's lock: waiting for the GIL must hold nothing of ours.
+        let stack = stacks::for_alloc();
+        let malloc = || match a.malloc_async(size as usize, StreamHandle(stream as u64)) {
             Err(Error::StreamCapture { .. }) if pool_mode => a.malloc_for_graph(size as usize),
             r => r,
         };
+        let r = if stack == 0 { malloc() } else { history::with_context(stack, malloc) };
+        if let (Ok(p), true) = (&r, stack != 0) {
+            stacks::note_live(device as usize, *p, stack);
+        }
         r.map_err(|e| {
             let capture = matches!(e, Error::StreamCapture { .. });
             (format!("device {device}: {e}"), is_oom(&e), capture)
@@ -206,8 +213,14 @@ pub extern "C" fn moonbright_free(
     }
     let r = catch_unwind(AssertUnwindSafe(|| {
         let a = allocator(device)?;
-        a.free_async(ptr as u64, StreamHandle(stream as u64))
-            .map_err(|e| format!("device {device}: {e}"))
+        let free = || a.free_async(ptr as u64, StreamHandle(stream as u64));
+        match stacks::for_free() {
+            0 => free(),
+            stack => history::with_context(stack, free),
+        }
+        .map_err(|e| format!("device {device}: {e}"))?;
+        stacks::forget_live(device as usize, ptr as u64);
+        Ok(())
     }));
     let msg = match r {
         Ok(Ok(())) => return,
@@ -540,6 +553,18 @@ fn reset_peak_memory_stats(device: Option<i32>) -> PyResult<()> {
     Ok(())
 }
 
+/// Zeroes the cumulative figures of `device`'s allocator (PyTorch's
+/// `reset_accumulated_memory_stats`, which `moonbright.torch.enable()` routes here): every
+/// statistic's `.allocated` and `.freed`, `num_ooms`, `num_sync_all_streams`,
+/// `num_device_alloc` and `num_device_free`, and MoonBright's own counters. Current values and
+/// peaks stay.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn reset_accumulated_memory_stats(device: Option<i32>) -> PyResult<()> {
+    get(device)?.reset_accumulated_stats();
+    Ok(())
+}
+
 /// Gives every physical page no allocation uses back to the driver; returns the bytes released.
 /// With `wait` (the default, as `torch.cuda.empty_cache` under PyTorch's own allocator), first
 /// waits, without the GIL, for the stream work of every pending free; without it, such frees'
@@ -554,10 +579,21 @@ fn empty_cache(py: Python<'_>, device: Option<i32>, wait: bool) -> PyResult<u64>
 
 /// Starts (or with enabled=False stops) recording up to `max_entries` allocation events, for
 /// `snapshot()`'s `device_traces`. With `device=None` it applies to every allocator that exists
-/// and to those created later.
+/// and to those created later. `context` records the Python stack of each request, in the
+/// `frames` of its trace entries and of the blocks it holds, as PyTorch's
+/// `_record_memory_history(context=...)`: None (no frames), "state" or "alloc" (allocations),
+/// "all" (allocations and frees). Frames cost a trip through the GIL per request; without
+/// them the entry points pay one atomic load. Stopping with `device=None` forgets them.
 #[pyfunction]
-#[pyo3(signature = (enabled=true, max_entries=100_000, device=None))]
-fn record_memory_history(enabled: bool, max_entries: usize, device: Option<i32>) -> PyResult<()> {
+#[pyo3(signature = (enabled=true, max_entries=100_000, device=None, context=None))]
+fn record_memory_history(
+    py: Python<'_>,
+    enabled: bool,
+    max_entries: usize,
+    device: Option<i32>,
+    context: Option<&str>,
+) -> PyResult<()> {
+    let mode = stacks::Mode::parse(context).map_err(PyValueError::new_err)?;
     let n = enabled.then_some(max_entries.max(1));
     match device {
         Some(d) => allocator(d).map_err(py_err)?.record_history(n),
@@ -568,6 +604,11 @@ fn record_memory_history(enabled: bool, max_entries: usize, device: Option<i32>)
                 a.record_history(n);
             }
         }
+    }
+    if enabled {
+        stacks::set_mode(py, mode)?;
+    } else if device.is_none() {
+        stacks::set_mode(py, stacks::Mode::Off)?;
     }
     Ok(())
 }
@@ -602,7 +643,9 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
                 bd.set_item("size", b.size)?;
                 bd.set_item("requested_size", b.requested_size)?;
                 bd.set_item("state", if active { "active_allocated" } else { "inactive" })?;
-                bd.set_item("frames", PyList::empty(py))?;
+                let frames =
+                    if active { stacks::block_frames(py, *i, b.addr)? } else { PyList::empty(py) };
+                bd.set_item("frames", frames)?;
                 blocks.append(bd)?;
             }
             let sd = PyDict::new(py);
@@ -629,7 +672,7 @@ fn snapshot(py: Python<'_>, device: Option<i32>) -> PyResult<Py<PyDict>> {
             e.set_item("size", ev.size)?;
             e.set_item("stream", ev.stream)?;
             e.set_item("time_us", ev.time_us)?;
-            e.set_item("frames", PyList::empty(py))?;
+            e.set_item("frames", stacks::frames(py, ev.context)?)?;
             traces[*i].append(e)?;
         }
     }
@@ -940,7 +983,10 @@ fn set_graph_pool_live(
 #[pyfunction]
 #[pyo3(signature = (ptr, stream, device=None))]
 fn free_async(ptr: u64, stream: u64, device: Option<i32>) -> PyResult<()> {
-    get(device)?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))
+    let d = default_device(device)?;
+    get(Some(d))?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))?;
+    stacks::forget_live(d as usize, ptr);
+    Ok(())
 }
 
 /// (blocks, bytes) that graph pools hold free for their graphs on `device`.
@@ -980,6 +1026,35 @@ fn _set_torch_oom_type(cls: Option<Bound<'_, PyAny>>) -> PyResult<()> {
     Ok(())
 }
 
+/// Runs the `moonbright` command (`moonbright.cli`, the console script pip installs) with
+/// `argv` (its first item the program's name) and returns its exit status: the same code as
+/// the `moonbright` binary cargo builds (crates/moonbright-cli), without the GIL.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
+    py.allow_threads(|| {
+        catch_unwind(AssertUnwindSafe(|| moonbright_cli::run(argv))).unwrap_or_else(|p| {
+            eprintln!("moonbright: internal error (panic): {}", panic_message(&*p));
+            101
+        })
+    })
+}
+
+/// The version of the libnvrtc MoonBright finds (where `MOONBRIGHT_NVRTC` says, which the
+/// package points at pip's `nvidia-cuda-nvrtc`, else on the loader path), as (major, minor).
+/// Raises RuntimeError saying where it looked when there is none. The paged pool compiles its
+/// kernels with it.
+#[pyfunction]
+fn nvrtc_version() -> PyResult<(i32, i32)> {
+    moonbright::nvrtc::version().map_err(py_err)
+}
+
+/// Compiles CUDA C `src` to PTX with that libnvrtc (for tests; no GPU needed).
+#[pyfunction]
+#[pyo3(signature = (src, name="moonbright.cu", options=Vec::new()))]
+fn _nvrtc_compile(py: Python<'_>, src: &str, name: &str, options: Vec<String>) -> PyResult<String> {
+    py.allow_threads(|| moonbright::nvrtc::compile_ptx(src, name, options)).map_err(py_err)
+}
+
 /// Version of the package.
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -1009,6 +1084,10 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clear_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;
+    m.add_function(wrap_pyfunction!(_nvrtc_compile, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(record_memory_history, m)?)?;
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;

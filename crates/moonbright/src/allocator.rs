@@ -435,8 +435,9 @@ impl Allocator {
         let heap = self.shared.heap();
         let mut s = heap.stats().clone();
         s.events_stocked = heap.events_stocked() as u64;
+        let base = *heap.calls_at_reset();
         drop(heap);
-        s.driver_calls = self.shared.driver.counts();
+        s.driver_calls = self.shared.driver.counts().since(&base);
         s
     }
 
@@ -459,6 +460,15 @@ impl Allocator {
     /// Resets every peak to its current value.
     pub fn reset_peak_stats(&self) {
         self.shared.heap().reset_peaks();
+    }
+
+    /// Zeroes every cumulative figure, as PyTorch's `reset_accumulated_memory_stats`: each
+    /// statistic's `allocated` and `freed` totals, the counters (cache hits, out-of-memory
+    /// refusals, waits for pending frees, ...) and the driver call counts, which count from
+    /// here. Current values and peaks stay.
+    pub fn reset_accumulated_stats(&self) {
+        let mut heap = self.shared.heap();
+        heap.reset_accumulated(self.shared.driver.counts());
     }
 
     /// The last driver error met outside a request (a deferred unmap that will be retried, an
@@ -701,6 +711,39 @@ mod tests {
     use crate::stream::Raised;
     use crate::sync::atomic::Ordering;
     use crate::CallKind;
+
+    /// Resetting accumulated statistics zeroes the totals, the counters and the driver call
+    /// counts, keeps current values and peaks, and counts on from there.
+    #[test]
+    fn reset_accumulated_stats_zeroes_totals_and_keeps_current_and_peak() {
+        let a = Allocator::new(Options::host(64 << 20, 64 << 10)).unwrap();
+        let p = a.malloc(3 << 20).unwrap();
+        let q = a.malloc(1 << 20).unwrap();
+        a.free(q).unwrap();
+        assert!(matches!(a.malloc(a.cap() as usize), Err(Error::OutOfMemory { .. })));
+        let before = a.stats();
+        assert!(before.num_ooms > 0 && before.driver_calls.get(CallKind::Map) > 0);
+        a.reset_accumulated_stats();
+        let s = a.stats();
+        assert_eq!(s.allocated_bytes.current, 3 << 20);
+        assert_eq!(s.allocated_bytes.peak, before.allocated_bytes.peak);
+        assert_eq!(s.reserved_bytes.current, before.reserved_bytes.current);
+        assert_eq!((s.allocated_bytes.allocated, s.allocated_bytes.freed), (0, 0));
+        assert_eq!((s.allocations.allocated, s.allocations.freed), (0, 0));
+        assert_eq!((s.num_ooms, s.driver_calls.total()), (0, 0));
+        a.free(p).unwrap();
+        let s = a.stats();
+        assert_eq!((s.allocated_bytes.allocated, s.allocated_bytes.freed), (0, 3 << 20));
+        assert_eq!(s.allocations.freed, 1);
+        a.release_unused().unwrap();
+        let calls = a.stats().driver_calls;
+        assert!(calls.get(CallKind::Release) > 0, "calls after the reset count from zero");
+        assert_eq!(
+            calls.get(CallKind::Release),
+            a.shared.driver.counts().get(CallKind::Release)
+                - before.driver_calls.get(CallKind::Release)
+        );
+    }
 
     /// The worker's event stock (driven here by hand: no worker) tops up to its target once it is
     /// down to half, a failed creation ends a top-up without reporting anything, a free takes a

@@ -30,7 +30,9 @@ pub enum Error {
     },
     /// A request that no allocator state could satisfy.
     #[error(
-        "cannot allocate {requested} bytes: larger than the cap of {cap} bytes (option `cap`)"
+        "cannot allocate {}: larger than the cap of {} (option `cap`)",
+        human_bytes(*requested),
+        human_bytes(*cap)
     )]
     TooLarge {
         /// Bytes asked for.
@@ -156,7 +158,8 @@ pub enum Error {
 /// Result of an allocator call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// `Error::OutOfMemory`'s text: what the books say, and the driver's refusal when there was one.
+/// `Error::OutOfMemory`'s text: what was asked, what is in use, held, free and the cap, in
+/// human units with the exact bytes beside them; and the driver's refusal when there was one.
 fn out_of_memory_text(
     requested: u64,
     allocated: u64,
@@ -166,19 +169,81 @@ fn out_of_memory_text(
     short: u64,
     driver: Option<&DriverError>,
 ) -> String {
+    let h = human_bytes;
     let books = format!(
-        "{allocated} bytes are allocated, {reserved} bytes reserved, of which {free_in_pool} are \
-         free; the cap is {cap} bytes"
+        "{} allocated (in use), {} reserved (held), of which {} free; the cap is {}",
+        h(allocated),
+        h(reserved),
+        h(free_in_pool),
+        h(cap)
     );
     match driver {
         None => format!(
-            "out of memory: tried to allocate {requested} bytes; {books}. {short} more bytes must \
-             be freed for this request to succeed, or the cap raised (option `cap`)"
+            "out of memory: tried to allocate {}; {books}. {} more must be freed for this \
+             request to succeed, or the cap raised (option `cap`)",
+            h(requested),
+            h(short)
         ),
         Some(d) => format!(
-            "out of memory: tried to allocate {requested} bytes and the driver refused: {d}; \
-             {books}. The device itself had no room for it (memory held outside MoonBright \
-             counts against it) or the driver ran out of its own resources for the mapping"
+            "out of memory: tried to allocate {} and the driver refused: {d}; {books}. The \
+             device itself had no room for it (memory held outside MoonBright counts against \
+             it) or the driver ran out of its own resources for the mapping",
+            h(requested)
         ),
+    }
+}
+
+/// A byte count for people: in the largest binary unit it reaches, with two decimals, and the
+/// exact count in parentheses ("1.50 GiB (1610612736 bytes)"); below 1 KiB just the bytes.
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [(&str, u64); 4] =
+        [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    match UNITS.iter().find(|(_, size)| n >= *size) {
+        Some((unit, size)) => format!("{:.2} {unit} ({n} bytes)", n as f64 / *size as f64),
+        None if n == 1 => "1 byte".into(),
+        None => format!("{n} bytes"),
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_bytes_gives_the_unit_and_the_exact_count() {
+        assert_eq!(human_bytes(0), "0 bytes");
+        assert_eq!(human_bytes(1), "1 byte");
+        assert_eq!(human_bytes(1023), "1023 bytes");
+        assert_eq!(human_bytes(1024), "1.00 KiB (1024 bytes)");
+        assert_eq!(human_bytes(3 << 19), "1.50 MiB (1572864 bytes)");
+        assert_eq!(human_bytes(80 << 30), "80.00 GiB (85899345920 bytes)");
+        assert_eq!(human_bytes(5 << 40), "5.00 TiB (5497558138880 bytes)");
+    }
+
+    #[test]
+    fn out_of_memory_says_asked_in_use_held_free_and_cap() {
+        let e = Error::OutOfMemory {
+            requested: 20 << 20,
+            allocated: 3 << 29,
+            reserved: 7 << 28,
+            free_in_pool: 256 << 20,
+            cap: 2 << 30,
+            short: 4 << 20,
+            driver: None,
+        };
+        assert_eq!(
+            e.to_string(),
+            "out of memory: tried to allocate 20.00 MiB (20971520 bytes); 1.50 GiB (1610612736 \
+             bytes) allocated (in use), 1.75 GiB (1879048192 bytes) reserved (held), of which \
+             256.00 MiB (268435456 bytes) free; the cap is 2.00 GiB (2147483648 bytes). 4.00 MiB \
+             (4194304 bytes) more must be freed for this request to succeed, or the cap raised \
+             (option `cap`)"
+        );
+        let e = Error::TooLarge { requested: 3 << 30, cap: 1 << 30 };
+        assert_eq!(
+            e.to_string(),
+            "cannot allocate 3.00 GiB (3221225472 bytes): larger than the cap of 1.00 GiB \
+             (1073741824 bytes) (option `cap`)"
+        );
     }
 }

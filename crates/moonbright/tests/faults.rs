@@ -331,7 +331,7 @@ fn driver_out_of_memory_becomes_an_oom_error_with_the_drivers_refusal() {
     let big = a.malloc(80 * PAGE).unwrap();
     let err = a.malloc(32 * PAGE).unwrap_err();
     assert!(matches!(err, Error::OutOfMemory { driver: None, .. }), "{err}");
-    assert!(err.to_string().contains("more bytes must be freed"), "{err}");
+    assert!(err.to_string().contains("more must be freed"), "{err}");
     a.free(big).unwrap();
     drains_clean(&a);
 }

@@ -234,6 +234,41 @@ def test_snapshot_opens_in_memory_viz(tmp_path):
     assert r["memory_snapshot"] == r["segments"]
 
 
+def test_snapshot_with_stacks_names_the_python_caller():
+    r = run(
+        """
+        import json, torch, moonbright.torch
+        from torch.cuda import _memory_viz
+        moonbright.torch.enable()
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks="python", max_entries=10000)
+
+        def make_activation():
+            return torch.empty(3 << 20, device="cuda")
+
+        x = make_activation()
+        p = x.data_ptr()
+        snap = torch.cuda.memory._snapshot()
+        alloc = [e for e in snap["device_traces"][0] if e["action"] == "alloc" and e["addr"] == p]
+        block = [b for s in snap["segments"] for b in s["blocks"] if b["address"] == p]
+        flame = _memory_viz.memory(snap, format_flamegraph=lambda lines: lines)
+        del x
+        snap = torch.cuda.memory._snapshot()
+        free = [e for e in snap["device_traces"][0]
+                if e["action"] == "free_requested" and e["addr"] == p]
+        names = lambda es: [f["name"] for f in es[-1]["frames"]] if es else []
+        print(json.dumps({
+            "alloc": names(alloc), "block": names(block), "free": names(free),
+            "flame": ":make_activation" in flame,
+        }))
+        """
+    )
+    assert r["alloc"][:2] == ["make_activation", "<module>"], r
+    assert r["block"] == r["alloc"]
+    assert r["free"][:1] == ["<module>"], r
+    assert r["flame"]
+
+
 def test_mempool_mode():
     r = run(
         """

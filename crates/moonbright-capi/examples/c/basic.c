@@ -91,6 +91,16 @@ int main(void) {
            stats.set_access_calls, stats.unmap_calls, stats.release_calls, stats.reserve_calls);
 
     CHECK(mb_destroy(alloc));
+
+    /* Every option, by the keys of MOONBRIGHT_ALLOC_CONF: a bad one names itself. */
+    mb_allocator *conf_alloc = NULL;
+    CHECK(mb_create_conf("backend:host,host_capacity:64MiB,unmap_batch:8", &conf_alloc));
+    CHECK(mb_destroy(conf_alloc));
+    conf_alloc = NULL;
+    EXPECT(mb_create_conf("backend:host,no_such_key:1", &conf_alloc) == MB_ERR_INVALID_ARGUMENT);
+    EXPECT(conf_alloc == NULL);
+    printf("bad conf: %s\n", mb_last_error());
+
     printf("ok\n");
     return 0;
 }

@@ -24,7 +24,7 @@ use super::streams::{Pending, Streams};
 use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, VaSpace};
 use super::window::Window;
-use crate::driver::{ChunkHandle, DriverError, EventHandle};
+use crate::driver::{CallCounts, ChunkHandle, DriverError, EventHandle};
 use crate::error::{Error, Result};
 
 mod cache;
@@ -373,6 +373,9 @@ pub(crate) struct Heap {
     /// then their pages are neither free nor covered by an event anyone could wait for.
     records_in_flight: u32,
     stats: Stats,
+    /// The driver's call counts when accumulated statistics were last reset: `Allocator::stats`
+    /// reports the calls made since.
+    calls_at_reset: CallCounts,
     /// The last driver error met outside a request (a deferred unmap, say).
     deferred_error: Option<DriverError>,
     /// The bytes held when the cap was last lowered below them: held memory may exceed the cap
@@ -423,6 +426,7 @@ impl Heap {
             event_stock: Vec::new(),
             records_in_flight: 0,
             stats: Stats::default(),
+            calls_at_reset: CallCounts::default(),
             deferred_error: None,
             over_cap: None,
             history: None,
@@ -450,6 +454,18 @@ impl Heap {
 
     pub fn reset_peaks(&mut self) {
         self.stats.reset_peaks();
+    }
+
+    /// Zeroes every cumulative figure (see `Stats::reset_accumulated`); `calls_now`, the
+    /// driver's call counts, becomes the base the reported counts start from.
+    pub fn reset_accumulated(&mut self, calls_now: CallCounts) {
+        self.stats.reset_accumulated();
+        self.calls_at_reset = calls_now;
+    }
+
+    /// The driver's call counts at the last reset of accumulated statistics.
+    pub fn calls_at_reset(&self) -> &CallCounts {
+        &self.calls_at_reset
     }
 
     pub fn take_deferred_error(&mut self) -> Option<DriverError> {

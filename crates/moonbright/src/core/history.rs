@@ -2,6 +2,7 @@
 //! (`device_traces` and `segments`), recorded by the heap when switched on, in a bounded ring.
 
 use crate::sync::Instant;
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 use super::streams::NO_STREAM;
@@ -50,6 +51,29 @@ pub struct HistoryEvent {
     pub stream: u64,
     /// Microseconds since the allocator was made.
     pub time_us: u64,
+    /// What the caller attached to the request that recorded it ([`with_context`]): the Python
+    /// extension's id of the Python stack that asked. 0: none.
+    pub context: u64,
+}
+
+thread_local! {
+    /// The context the events this thread records carry (`with_context`); 0: none.
+    static CONTEXT: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Runs `f` with `context` attached to every history event this thread records meanwhile (a
+/// request's own events: its allocation, the ranges it maps, its free). The caller gives the
+/// ids and knows what they mean; 0 is none. Costs nothing when history is off.
+pub fn with_context<T>(context: u64, f: impl FnOnce() -> T) -> T {
+    /// Puts the previous context back, even if `f` unwinds.
+    struct Restore(u64);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = CONTEXT.try_with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CONTEXT.try_with(|c| c.replace(context)).unwrap_or(0));
+    f()
 }
 
 /// The stream a snapshot or history shows for the heap's stream `s`: the raw handle, and 0 (the
@@ -81,7 +105,8 @@ impl History {
         }
         let time_us = self.start.elapsed().as_micros() as u64;
         let stream = shown_stream(stream);
-        self.events.push_back(HistoryEvent { action, addr, size, stream, time_us });
+        let context = CONTEXT.try_with(Cell::get).unwrap_or(0);
+        self.events.push_back(HistoryEvent { action, addr, size, stream, time_us, context });
     }
 
     pub fn events(&self) -> Vec<HistoryEvent> {
@@ -128,4 +153,30 @@ pub struct SegmentInfo {
     pub chunks: usize,
     /// Its blocks, in address order.
     pub blocks: Vec<BlockInfo>,
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_carry_the_context_of_the_thread_that_recorded_them() {
+        let mut h = History::new(8, Instant::now());
+        h.push(HistoryAction::Alloc, 1, 1, 0);
+        with_context(7, || {
+            h.push(HistoryAction::Alloc, 2, 1, 0);
+            with_context(9, || h.push(HistoryAction::FreeRequested, 2, 1, 0));
+            h.push(HistoryAction::FreeCompleted, 2, 1, 0);
+        });
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            with_context(5, || panic!("unwinds"));
+        }));
+        assert!(r.is_err());
+        std::thread::scope(|s| {
+            s.spawn(|| with_context(3, || h.push(HistoryAction::Alloc, 3, 1, 0)));
+        });
+        h.push(HistoryAction::Alloc, 4, 1, 0);
+        let contexts: Vec<u64> = h.events().iter().map(|e| e.context).collect();
+        assert_eq!(contexts, [0, 7, 9, 7, 3, 0]);
+    }
 }

@@ -147,6 +147,15 @@ macro_rules! stat_fields {
             pub(crate) fn reset_peaks(&mut self) {
                 $(self.$field.reset_peak();)*
             }
+
+            /// Zeroes every cumulative figure, as PyTorch's `reset_accumulated_memory_stats`:
+            /// each statistic's `allocated` and `freed`, and every counter (cache hits, OOMs,
+            /// waits, ...). Current values and peaks stay.
+            pub(crate) fn reset_accumulated(&mut self) {
+                let mut fresh = Stats::default();
+                $(fresh.$field = Stat { allocated: 0, freed: 0, ..self.$field };)*
+                *self = fresh;
+            }
         }
     };
 }
@@ -191,5 +200,23 @@ mod tests {
         assert!(names.contains(&"window_bytes") && names.contains(&"allocated_bytes"));
         s.reset_peaks();
         assert!(s.named().iter().all(|(_, st)| st.peak == st.current));
+    }
+
+    #[test]
+    fn reset_accumulated_keeps_current_and_peak_and_zeroes_the_rest() {
+        let mut s = Stats::default();
+        s.allocated_bytes.add(10);
+        s.allocated_bytes.sub(4);
+        s.growable_committed_bytes.add(3);
+        s.cache_hits = 5;
+        s.num_ooms = 2;
+        s.pending_free_waits = 1;
+        s.reset_accumulated();
+        assert_eq!(s.allocated_bytes, Stat { current: 6, peak: 10, allocated: 0, freed: 0 });
+        assert_eq!(s.growable_committed_bytes, Stat { current: 3, peak: 3, ..Stat::default() });
+        assert_eq!((s.cache_hits, s.num_ooms, s.pending_free_waits), (0, 0, 0));
+        assert!(s.named().iter().all(|(_, st)| st.allocated == 0 && st.freed == 0));
+        s.allocated_bytes.add(1);
+        assert_eq!(s.allocated_bytes, Stat { current: 7, peak: 10, allocated: 1, freed: 0 });
     }
 }
