@@ -218,29 +218,62 @@ fn free_parts(args: &Args) -> Res<Vec<(String, Summary)>> {
     let stream = Stream::new(true)?;
     let s = stream.handle();
     let mut rows = Vec::new();
-    for size in [256, 2 * MIB, GIB] {
-        let opts = mb_options(
-            None,
-            moonbright_bench::max_chunk(),
-            moonbright_bench::default_window(),
-            true,
-        );
-        let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
-        let (mut a, mut f) = (vec![], vec![]);
-        for i in 0..args.reps * 50 + 100 {
-            let t = Instant::now();
-            let p = alloc.malloc_async(size as usize, s).map_err(|e| format!("malloc: {e}"))?;
-            let ta = us_since(t);
-            let t = Instant::now();
-            alloc.free_async(p, s).map_err(|e| format!("free: {e}"))?;
-            let tf = us_since(t);
-            if i >= 100 {
-                a.push(ta);
-                f.push(tf);
+    // By default, and under PyTorch's contract (no capture query, frees' events left to the
+    // worker): pairs, and batches of 200 allocations then their 200 frees (as a step frees its
+    // tensors while hundreds are pending), each call timed.
+    for contract in [false, true] {
+        let tag = if contract { ", contract" } else { "" };
+        for size in [256, 2 * MIB, GIB] {
+            let mut opts = mb_options(
+                None,
+                moonbright_bench::max_chunk(),
+                moonbright_bench::default_window(),
+                true,
+            );
+            opts.captures_announced = contract;
+            opts.deferred_free_events = contract;
+            let alloc = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
+            let (mut a, mut f) = (vec![], vec![]);
+            for i in 0..args.reps * 50 + 100 {
+                let t = Instant::now();
+                let p = alloc.malloc_async(size as usize, s).map_err(|e| format!("malloc: {e}"))?;
+                let ta = us_since(t);
+                let t = Instant::now();
+                alloc.free_async(p, s).map_err(|e| format!("free: {e}"))?;
+                let tf = us_since(t);
+                if i >= 100 {
+                    a.push(ta);
+                    f.push(tf);
+                }
             }
+            rows.push((format!("cache-hit alloc {}{tag}", human(size)), Summary::of(&a)));
+            rows.push((format!("cache-hit free {}{tag}", human(size)), Summary::of(&f)));
+            if size >= GIB {
+                continue; // 200 live at 1 GiB would not fit every card
+            }
+            let (mut a, mut f) = (vec![], vec![]);
+            for round in 0..args.reps + 5 {
+                let mut ptrs = Vec::with_capacity(200);
+                for _ in 0..200 {
+                    let t = Instant::now();
+                    ptrs.push(
+                        alloc.malloc_async(size as usize, s).map_err(|e| format!("malloc: {e}"))?,
+                    );
+                    if round >= 5 {
+                        a.push(us_since(t));
+                    }
+                }
+                for p in ptrs {
+                    let t = Instant::now();
+                    alloc.free_async(p, s).map_err(|e| format!("free: {e}"))?;
+                    if round >= 5 {
+                        f.push(us_since(t));
+                    }
+                }
+            }
+            rows.push((format!("batch-200 alloc {}{tag}", human(size)), Summary::of(&a)));
+            rows.push((format!("batch-200 free {}{tag}", human(size)), Summary::of(&f)));
         }
-        rows.push((format!("cache-hit alloc {}", human(size)), Summary::of(&a)));
-        rows.push((format!("cache-hit free {}", human(size)), Summary::of(&f)));
     }
     let alloc = Allocator::new(mb_options(None, moonbright_bench::max_chunk(), (0, 0), false))
         .map_err(|e| format!("MoonBright: {e}"))?;
@@ -510,7 +543,7 @@ fn main() -> ExitCode {
         let args = Args::parse();
         if args.free_parts {
             for (what, s) in free_parts(&args)? {
-                println!("{what:<28} p50 {:.3} p99 {:.3} us", s.p50, s.p99);
+                println!("{what:<40} p50 {:.3} p99 {:.3} us", s.p50, s.p99);
             }
             return Ok(());
         }
