@@ -10,9 +10,8 @@ use moonbright::{driver::Driver, Allocator, BackendKind, Options};
 use moonbright_bench::workload::{stress_ops, Op, StressSpec};
 use moonbright_bench::GIB;
 
-/// The benchmark's sequence at `seed`, through the default options: (peak reserved, peak
-/// allocated).
-fn stress_peaks(seed: u64) -> (u64, u64) {
+/// The benchmark's sequence at `seed`, through the default options: its statistics at the end.
+fn stress_stats(seed: u64) -> moonbright::Stats {
     let (ops, _) = stress_ops(&StressSpec::issue3(seed));
     let a = Allocator::new(Options {
         backend: BackendKind::Host,
@@ -36,7 +35,12 @@ fn stress_peaks(seed: u64) -> (u64, u64) {
             }
         }
     }
-    let stats = a.stats();
+    a.stats()
+}
+
+/// (peak reserved, peak allocated) of the benchmark's sequence at `seed`.
+fn stress_peaks(seed: u64) -> (u64, u64) {
+    let stats = stress_stats(seed);
     (stats.reserved_bytes.peak, stats.allocated_bytes.peak)
 }
 
@@ -57,3 +61,27 @@ fn the_stress_holds_its_peak_within_the_target_at_every_seed() {
     }
     assert!(over.is_empty(), "peak reserved over peak allocated above {bound}: {over:?}");
 }
+
+/// The placement policy's fingerprint on the benchmark's own seed: deterministic without the
+/// worker, so these move only when the policy is meant to change (as the traces' figures in
+/// `crates/moonbright-cli/tests/deterministic_replays.rs`).
+#[test]
+fn the_stress_keeps_its_figures_at_the_benchmarks_seed() {
+    let s = stress_stats(20_261_129);
+    let got = [
+        s.reserved_bytes.peak,
+        s.allocated_bytes.peak,
+        s.request_maps,
+        s.request_mapped_handles,
+        s.cache_hits,
+        s.subpage_allocations,
+        s.carved_allocations,
+        s.cached_ranges_stolen,
+    ];
+    assert_eq!(got, EXPECTED_STRESS, "the stress's figures moved");
+}
+
+/// Peak reserved and allocated bytes, request maps and their handles, cache hits, sub-page and
+/// carved allocations, cached ranges stolen.
+const EXPECTED_STRESS: [u64; 8] =
+    [67_169_681_408, 65_377_501_217, 2008, 6946, 2733, 6219, 2304, 1900];
