@@ -6,7 +6,7 @@
 //! streams also used (`record_stream`) is *joined*: it waits for a mark on each of those streams
 //! and no stream may reuse it before every mark has completed. Pure bookkeeping.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::VecDeque;
 
 // Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
 // DoS-resistant one.
@@ -44,13 +44,103 @@ struct Item {
     what: Pending,
 }
 
+/// A stream's pending items in the order of their sequence numbers, which only grow: a deque
+/// with a hole where an item was taken out of the middle (a range reused by its stream), so
+/// that a free is an append and a reuse a binary search, with no tree to rebalance on the
+/// allocation path. Holes at either end are dropped at once, the others once they outnumber
+/// the items.
+#[derive(Debug, Default)]
+struct Items {
+    slots: VecDeque<(u64, Option<Item>)>,
+    len: usize,
+}
+
+impl Items {
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[cfg(all(test, not(loom)))]
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, seq: u64, item: Item) {
+        debug_assert!(self.slots.back().map_or(true, |&(s, _)| s < seq), "sequence numbers grow");
+        self.slots.push_back((seq, Some(item)));
+        self.len += 1;
+    }
+
+    fn remove(&mut self, seq: u64) -> Option<Item> {
+        let i = self.slots.binary_search_by_key(&seq, |&(s, _)| s).ok()?;
+        let item = self.slots[i].1.take()?;
+        self.len -= 1;
+        while self.slots.front().is_some_and(|(_, it)| it.is_none()) {
+            self.slots.pop_front();
+        }
+        while self.slots.back().is_some_and(|(_, it)| it.is_none()) {
+            self.slots.pop_back();
+        }
+        if self.slots.len() > 2 * self.len + 64 {
+            self.slots.retain(|(_, it)| it.is_some());
+        }
+        Some(item)
+    }
+
+    /// (sequence number, item), oldest first.
+    fn iter(&self) -> impl Iterator<Item = (u64, &Item)> + '_ {
+        self.slots.iter().filter_map(|(s, it)| it.as_ref().map(|it| (*s, it)))
+    }
+}
+
+/// A stream's pending ranges by size: for each page count, (address, sequence number) in
+/// order, so that the lowest-addressed range of a size is the first of its list (a deque: the
+/// first is what a request takes, the last what a free of a higher address adds). Lists of
+/// sizes no longer pending are kept for reuse (a training step frees and asks for the same
+/// sizes again), and dropped once they outnumber the sizes in use.
+#[derive(Debug, Default)]
+struct RangesBySize {
+    by_pages: HashMap<u64, VecDeque<(u64, u64)>>,
+    sizes_in_use: usize,
+}
+
+impl RangesBySize {
+    fn insert(&mut self, pages: u64, va: u64, seq: u64) {
+        let list = self.by_pages.entry(pages).or_default();
+        if list.is_empty() {
+            self.sizes_in_use += 1;
+        }
+        let at = list.partition_point(|&x| x < (va, seq));
+        list.insert(at, (va, seq));
+    }
+
+    fn remove(&mut self, pages: u64, va: u64, seq: u64) {
+        let Some(list) = self.by_pages.get_mut(&pages) else {
+            return;
+        };
+        if let Ok(i) = list.binary_search(&(va, seq)) {
+            list.remove(i);
+            if list.is_empty() {
+                self.sizes_in_use -= 1;
+                if self.by_pages.len() > 4 * self.sizes_in_use + 64 {
+                    self.by_pages.retain(|_, l| !l.is_empty());
+                }
+            }
+        }
+    }
+
+    fn first(&self, pages: u64) -> Option<(u64, u64)> {
+        self.by_pages.get(&pages)?.front().copied()
+    }
+}
+
 /// One stream's pending frees and the events that will complete them.
 #[derive(Debug, Default)]
 pub(crate) struct StreamFrees {
     /// Items by a global sequence number, so the oldest come first.
-    items: BTreeMap<u64, Item>,
-    /// Ranges as (pages, address, sequence number).
-    ranges_by_size: BTreeSet<(u64, u64, u64)>,
+    items: Items,
+    /// Ranges by size, lowest address first.
+    ranges_by_size: RangesBySize,
     /// The newest free's epoch. Epochs are the frees' global sequence numbers, so they only
     /// grow, across streams and across a stream forgotten and seen again.
     newest: Option<u64>,
@@ -101,11 +191,11 @@ impl StreamFrees {
     pub fn push(&mut self, seq: u64, what: Pending) -> u64 {
         let epoch = seq;
         self.newest = Some(epoch);
-        self.items.insert(seq, Item { epoch, what });
+        self.items.push(seq, Item { epoch, what });
         match what {
             Pending::Range { pages, va, .. } => {
                 self.range_pages += pages;
-                self.ranges_by_size.insert((pages, va, seq));
+                self.ranges_by_size.insert(pages, va, seq);
             }
             Pending::Block { .. } => debug_assert!(false, "blocks wait in their arenas"),
             Pending::Mark => {}
@@ -118,19 +208,19 @@ impl StreamFrees {
     /// (completions are taken in order).
     pub fn push_at(&mut self, seq: u64, epoch: u64, what: Pending) {
         debug_assert!(self.newest.is_some_and(|n| n >= epoch), "an epoch never handed out");
-        self.items.insert(seq, Item { epoch, what });
+        self.items.push(seq, Item { epoch, what });
         if let Pending::Range { pages, va, .. } = what {
             self.range_pages += pages;
-            self.ranges_by_size.insert((pages, va, seq));
+            self.ranges_by_size.insert(pages, va, seq);
         }
     }
 
     fn remove(&mut self, seq: u64) -> Pending {
-        let item = self.items.remove(&seq).expect("pending item missing");
+        let item = self.items.remove(seq).expect("pending item missing");
         match item.what {
             Pending::Range { pages, va, .. } => {
                 self.range_pages -= pages;
-                self.ranges_by_size.remove(&(pages, va, seq));
+                self.ranges_by_size.remove(pages, va, seq);
             }
             Pending::Block { .. } | Pending::Mark => {}
         }
@@ -140,8 +230,7 @@ impl StreamFrees {
     /// The lowest-addressed range of exactly `pages` pages, for reuse by this stream, as
     /// (address, sequence number for `take`).
     pub fn peek_range(&self, pages: u64) -> Option<(u64, u64)> {
-        let all = (pages, 0, 0)..=(pages, u64::MAX, u64::MAX);
-        self.ranges_by_size.range(all).next().map(|r| (r.1, r.2))
+        self.ranges_by_size.first(pages)
     }
 
     /// Takes the pending range that `peek_range` gave `seq` for.
@@ -164,7 +253,7 @@ impl StreamFrees {
     /// stream to remap its chunks: (range, pages, epoch).
     pub fn take_covered_range_at_most(&mut self, pages: u64) -> Option<(u32, u64, u64)> {
         let covered = self.covered?;
-        let (&seq, item) = self.items.iter().find(|(_, it)| {
+        let (seq, item) = self.items.iter().find(|(_, it)| {
             it.epoch <= covered && matches!(it.what, Pending::Range { pages: p, .. } if p <= pages)
         })?;
         let epoch = item.epoch;
@@ -181,7 +270,7 @@ impl StreamFrees {
         pick: impl Fn(u32) -> bool,
     ) -> Option<(u32, u64, u64)> {
         let covered = self.covered?;
-        let (&seq, item) = self.items.iter().find(|(_, it)| {
+        let (seq, item) = self.items.iter().find(|(_, it)| {
             it.epoch <= covered && matches!(it.what, Pending::Range { id, .. } if pick(id))
         })?;
         let epoch = item.epoch;
@@ -304,13 +393,13 @@ impl StreamFrees {
         });
         self.done = self.done.max(Some(epoch));
         let done: Vec<u64> =
-            self.items.iter().take_while(|(_, it)| it.epoch <= epoch).map(|(&s, _)| s).collect();
+            self.items.iter().take_while(|(_, it)| it.epoch <= epoch).map(|(s, _)| s).collect();
         done.into_iter().map(|s| self.remove(s)).collect()
     }
 
     /// Every item, for checks.
     pub fn items(&self) -> impl Iterator<Item = Pending> + '_ {
-        self.items.values().map(|it| it.what)
+        self.items.iter().map(|(_, it)| it.what)
     }
 
     /// Every event this stream holds (recorded and spare), for teardown.
@@ -461,6 +550,72 @@ impl Streams {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    fn mark(epoch: u64) -> Item {
+        Item { epoch, what: Pending::Mark }
+    }
+
+    #[test]
+    fn items_keep_their_order_through_holes_and_drop_them() {
+        let mut items = Items::default();
+        for seq in (10..310).step_by(3) {
+            items.push(seq, mark(seq));
+        }
+        // Holes in the middle stay (in order) until they outnumber the items...
+        for seq in (13..250).step_by(6) {
+            assert_eq!(items.remove(seq).map(|it| it.epoch), Some(seq));
+        }
+        assert!(items.remove(13).is_none(), "taken twice");
+        assert!(items.remove(11).is_none(), "never there");
+        let left: Vec<u64> = items.iter().map(|(s, _)| s).collect();
+        let want: Vec<u64> =
+            (10..310).step_by(3).filter(|s| !(13..250).step_by(6).any(|r| r == *s)).collect();
+        assert_eq!(left, want);
+        assert_eq!(items.len(), want.len());
+        // ...and those at the front go with the item before them.
+        assert!(items.remove(10).is_some());
+        assert_eq!(items.slots.front().map(|&(s, _)| s), Some(16));
+        for &s in &want[1..] {
+            assert!(items.remove(s).is_some());
+        }
+        assert!(items.is_empty() && items.slots.is_empty());
+        // Many holes behind a long-lived first item are compacted away.
+        items.push(1_000, mark(1));
+        for seq in 1_001..2_000 {
+            items.push(seq, mark(seq));
+            if seq > 1_001 {
+                assert!(items.remove(seq - 1).is_some());
+            }
+        }
+        assert!(items.slots.len() <= 2 * items.len() + 64, "{} slots", items.slots.len());
+        assert_eq!(items.iter().map(|(s, _)| s).collect::<Vec<_>>(), vec![1_000, 1_999]);
+    }
+
+    #[test]
+    fn ranges_by_size_give_the_lowest_address_and_forget_sizes_gone() {
+        let mut r = RangesBySize::default();
+        for (va, seq) in [(500, 1), (100, 2), (300, 3), (100, 4)] {
+            r.insert(4, va, seq);
+        }
+        r.insert(2, 50, 5);
+        assert_eq!(r.first(4), Some((100, 2)));
+        r.remove(4, 100, 2);
+        assert_eq!(r.first(4), Some((100, 4)));
+        r.remove(4, 100, 4);
+        r.remove(4, 999, 9); // not there: nothing happens
+        assert_eq!(r.first(4), Some((300, 3)));
+        assert_eq!(r.first(2), Some((50, 5)));
+        assert_eq!(r.first(3), None);
+        assert_eq!(r.sizes_in_use, 2);
+        // A thousand sizes come and go: the lists of gone ones are dropped.
+        for pages in 100..1_100 {
+            r.insert(pages, pages, pages);
+            r.remove(pages, pages, pages);
+        }
+        assert_eq!(r.sizes_in_use, 2);
+        assert!(r.by_pages.len() <= 4 * 2 + 64 + 1, "{} lists kept", r.by_pages.len());
+        assert_eq!(r.first(4), Some((300, 3)));
+    }
 
     #[test]
     fn same_stream_reuse_by_exact_size_lowest_address_first() {
