@@ -8,7 +8,9 @@ machine's drift meets every configuration alike. Between turns the GPU is left i
 moment so that nothing queued by one worker runs during the next one's turn.
 
 Reported per workload and configuration: steps (or tokens) per second, median and spread over
-the rounds, and the ratio of the medians to PyTorch's default allocator; peak reserved and peak
+the rounds, the ratio of the medians to PyTorch's default allocator, and the median of each
+round's own ratio to PyTorch's turn in that round (drift slower than a round cancels out of
+it: more rounds of fewer steps, ``--rounds 15 --steps 10``, measure it more finely); peak reserved and peak
 allocated bytes; allocations per step; for MoonBright, its driver calls per step in the timed
 steps; and, with ``--kernels``, the GPU's kernel time per step (PyTorch's profiler), which says
 whether a step is bound by the device or by the CPU's launch rate. ``--micro`` adds the CPU
@@ -50,6 +52,8 @@ TURN = {"resnet50": (30, 3), "resnet50-compile": (30, 3), "gpt2": (12, 2), "llam
 SETUP_TIMEOUT_S = 900
 TURN_TIMEOUT_S = 300
 SETTLE_S = 0.3
+# Objects PyTorch holds raw pointers to (the null pluggable allocator).
+_KEEP: list = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +284,7 @@ def worker(args) -> int:
     moonbright = None
     pool_ctx = None
     if args.config == "null-pluggable":
-        keep = null_pluggable(torch)  # noqa: F841 - PyTorch keeps a raw pointer to it
+        _KEEP.append(null_pluggable(torch))  # PyTorch keeps a raw pointer to it
     elif args.config == "mb-pool":
         import moonbright
         import moonbright.torch
@@ -465,6 +469,12 @@ def run_workload(workload: str, configs: list[str], args) -> dict:
     for c in configs:
         if base and rows[c]["rate"]:
             rows[c]["rate_vs_torch"] = rows[c]["rate"]["median"] / base["median"]
+        # Each round's own ratio to PyTorch's turn in the same round: drift slower than a round
+        # cancels out of it.
+        paired = [t["rate"] / b["rate"] for t, b in zip(turns[c], turns.get("torch", []))
+                  if "rate" in t and "rate" in b]
+        if paired and c != "torch":
+            rows[c]["paired_vs_torch"] = spread(paired)
     unit = "tokens" if workload == "llama" else "steps"
     return {"workload": workload, "unit": unit, "steps_per_turn": steps, "rows": rows}
 
@@ -484,9 +494,10 @@ def gib(x) -> str:
 
 def print_table(results: list[dict]) -> None:
     print()
-    print("| workload | config | rate median (min-max) | vs torch | peak reserved GiB | "
-          "peak alloc GiB | allocs/step | MB driver calls/step | kernel ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | config | rate median (min-max) | vs torch | paired rounds vs torch | "
+          "peak reserved GiB | peak alloc GiB | allocs/step | MB driver calls/step | "
+          "kernel ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for wl in results:
         for c, r in wl["rows"].items():
             rate = r["rate"]
@@ -495,7 +506,10 @@ def print_table(results: list[dict]) -> None:
             mb = r.get("moonbright_per_step") or {}
             calls = mb.get("moonbright.driver_calls.total", "-" if not is_moonbright(c) else 0)
             ks = r.get("kernel_ms_per_step")
+            pr = r.get("paired_vs_torch")
+            ptxt = f"{pr['median']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})" if pr else "-"
             print(f"| {wl['workload']} | {c} | {rtxt} | {r.get('rate_vs_torch', float('nan')):.3f} "
+                  f"| {ptxt} "
                   f"| {gib(r.get('moonbright_peak_reserved') or r.get('peak_reserved'))} "
                   f"| {gib(r.get('peak_allocated'))} | {r['allocs_per_step'] or 0:.0f} | {calls} "
                   f"| {f'{ks:.2f}' if isinstance(ks, float) else '-'} |")
