@@ -10,17 +10,21 @@
 //! - **No GPU, and `MOONBRIGHT_REQUIRE_GPU=1`** (scripts/gpu-check.sh sets it): the test panics,
 //!   so a probe that breaks on the GPU machine reads as a failure, never as a pass.
 //! - **No GPU otherwise**: the test is skipped, and counted. The harness captures a passing
-//!   test's output, so a printed "skipping" line would never be seen; each skip appends one line
-//!   `binary<TAB>test<TAB>why` to the file `MOONBRIGHT_GPU_SKIP_LOG` names (scripts/test.sh sets
-//!   it and prints the count at its end: "N GPU tests skipped: ..."). Appends of one short line
-//!   to a file opened for appending do not interleave, so parallel tests and test binaries can
-//!   share the file. Without the variable the skip is only printed (to captured output).
+//!   test's output, so a "skipping" line printed by the test would never be seen. Instead:
+//!   - the test binary says at its exit (from a `libc::atexit` hook, after the harness's own
+//!     summary, on stderr, which nothing captures then) how many of its GPU tests skipped:
+//!     `conformance: 68 GPU tests skipped, not run (...)`, in any `cargo test` run;
+//!   - each skip appends one line `binary<TAB>test<TAB>why` to the file that
+//!     `MOONBRIGHT_GPU_SKIP_LOG` names, if set: scripts/test.sh sets it and prints the total at
+//!     its end ("N Rust GPU tests skipped ..."). Appends of one short line to a file opened for
+//!     appending do not interleave, so parallel tests and test binaries can share the file.
 //!
 //! [`skip`] is the same decision for a GPU test that lacks something else the GPU machine has
 //! (libnvrtc, for the paged kernels).
 
 use std::io::Write;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 /// Set to `1` (as scripts/gpu-check.sh does), a GPU test that cannot run fails.
 pub const REQUIRE_GPU: &str = "MOONBRIGHT_REQUIRE_GPU";
@@ -29,6 +33,9 @@ pub const SKIP_LOG: &str = "MOONBRIGHT_GPU_SKIP_LOG";
 
 /// Held by the running GPU test of this process.
 static SERIAL: Mutex<()> = Mutex::new(());
+/// The GPU tests this process skipped, and the first of them with its reason.
+static SKIPPED: AtomicUsize = AtomicUsize::new(0);
+static FIRST_SKIP: OnceLock<String> = OnceLock::new();
 
 /// A reachable GPU, for as long as one GPU test runs: it holds the process's GPU-test lock.
 pub struct Gpu {
@@ -66,10 +73,11 @@ pub fn skip(why: &str) {
         panic!("{REQUIRE_GPU} is set, and the GPU test {test} cannot run: {why}");
     }
     eprintln!("skipping {test}: {why}");
+    let exe = std::env::current_exe().ok();
+    let stem = exe.as_deref().and_then(|p| p.file_stem()).map(|s| s.to_string_lossy());
+    let binary = without_hash(stem.as_deref().unwrap_or("?"));
+    count(binary, &test, why);
     if let Some(path) = std::env::var_os(SKIP_LOG) {
-        let exe = std::env::current_exe().ok();
-        let stem = exe.as_deref().and_then(|p| p.file_stem()).map(|s| s.to_string_lossy());
-        let binary = without_hash(stem.as_deref().unwrap_or("?"));
         // A skip that cannot be counted must not pass unseen either.
         if let Err(e) = append(std::path::Path::new(&path), binary, &test, why) {
             panic!(
@@ -78,6 +86,38 @@ pub fn skip(why: &str) {
             );
         }
     }
+}
+
+/// Counts a skip; the first one registers the report printed at exit.
+fn count(binary: &str, test: &str, why: &str) {
+    // The reason's first clause is enough here (the skip log keeps it whole).
+    let clause = why.split("; ").next().unwrap_or(why);
+    let mut short: String = clause.chars().take(100).collect();
+    if short.len() < why.len() {
+        short.push_str(" ...");
+    }
+    let _ = FIRST_SKIP.set(format!("{binary}\t{test}: {short}"));
+    if SKIPPED.fetch_add(1, Ordering::SeqCst) == 0 {
+        // SAFETY: `report_skips` is a plain function with the signature `atexit` expects; it
+        // reads only statics, which live to the process's end, and cannot unwind.
+        unsafe { libc::atexit(report_skips) };
+    }
+}
+
+/// The line a test binary prints at exit when GPU tests of it skipped.
+extern "C" fn report_skips() {
+    let n = SKIPPED.load(Ordering::SeqCst);
+    let first = FIRST_SKIP.get().map(String::as_str).unwrap_or("?\t?");
+    let (binary, first) = first.split_once('\t').unwrap_or(("?", first));
+    let tests = if n == 1 { "test" } else { "tests" };
+    // Written whole, and never a panic (it would abort at exit).
+    let _ = std::io::stderr().write_all(
+        format!(
+            "{binary}: {n} GPU {tests} skipped, not run (first {first}); \
+             {REQUIRE_GPU}=1 makes them fail\n"
+        )
+        .as_bytes(),
+    );
 }
 
 /// Appends the line `binary<TAB>test<TAB>why` (with tabs and newlines in `why` made spaces).
@@ -151,10 +191,11 @@ mod tests {
                 .env(SKIP_LOG, &log)
                 .output()
                 .unwrap();
-            (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            (out.status.success(), text(&out.stdout), text(&out.stderr))
         };
-        let (required_ok, required_out) = child("1");
-        let (skipped_ok, skipped_out) = child("");
+        let (required_ok, required_out, _) = child("1");
+        let (skipped_ok, skipped_out, skipped_err) = child("");
         let logged = std::fs::read_to_string(&log).unwrap_or_default();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(skipped_ok && skipped_out.contains("1 passed"), "{skipped_out}");
@@ -173,6 +214,8 @@ mod tests {
                 let line = logged.lines().next().unwrap_or_default();
                 assert!(line.starts_with(&format!("{binary}\t{TEST}\tno GPU: ")), "{logged:?}");
                 assert_eq!(logged.lines().count(), 1, "{logged:?}");
+                let report = format!("{binary}: 1 GPU test skipped, not run (first {TEST}: no GPU");
+                assert!(skipped_err.contains(&report), "{skipped_err}");
             }
         }
     }
