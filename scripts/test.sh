@@ -2,7 +2,7 @@
 # Every test MoonBright has that runs without a GPU: formatting, the generated results page,
 # lints, the workspace's unit, conformance, stream, fault-injection, trace and C API tests, the
 # loom model checks, the CPU tests again under the thread and address sanitizers, and the Python
-# package's tests. GPU tests skip here, and are counted: the last line this prints says how
+# package's tests. GPU tests skip here, and are counted: the last lines this prints say how
 # many Rust GPU tests skipped and why (pytest's summary, with -rs, lists the Python ones).
 # scripts/gpu-check.sh runs them on a machine with a GPU, with MOONBRIGHT_REQUIRE_GPU=1, under
 # which a GPU test that cannot reach a GPU fails instead.
@@ -13,13 +13,14 @@ cd "$(dirname "$0")/.."
 # file: the test harness hides a passing test's output).
 gpu_skips=$PWD/target/gpu-skips.log
 rm -f "$gpu_skips"
-gpu_skip_count() { # "N GPU tests skipped (no GPU): per binary", then each reason with its count
+gpu_skip_count() { # "N Rust GPU tests skipped, not run: per binary", then each reason's count
   if [ ! -s "$gpu_skips" ]; then
     echo "0 Rust GPU tests skipped"
     return
   fi
-  echo "$(wc -l <"$gpu_skips") Rust GPU tests skipped (no GPU; MOONBRIGHT_REQUIRE_GPU=1 fails them):" \
-    "$(cut -f1 "$gpu_skips" | sort | uniq -c | awk '{printf "%s%s %s", s, $2, $1; s=", "}')"
+  echo "$(wc -l <"$gpu_skips") Rust GPU tests skipped, not run:" \
+    "$(cut -f1 "$gpu_skips" | sort | uniq -c | awk '{printf "%s%s %s", s, $2, $1; s=", "}')" \
+    "(MOONBRIGHT_REQUIRE_GPU=1 makes them fail)"
   cut -f3 "$gpu_skips" | cut -c1-110 | sort | uniq -c | sed 's/^ *\([0-9]*\) /  \1 x /'
 }
 
