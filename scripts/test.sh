@@ -65,7 +65,7 @@ cd "$scratch"
 "$scratch/venv/bin/python" -c 'import moonbright, sys
 assert moonbright.__file__.startswith(sys.prefix), moonbright.__file__'
 MOONBRIGHT_PRELOAD_LIB="$repo/target/release/libmoonbright_preload.so" \
-  MOONBRIGHT_TEST_NVRTC_SITE="$repo/target/nvrtc" \
+  MOONBRIGHT_TEST_NVRTC_SITE="$repo/target/nvrtc" MOONBRIGHT_TEST_REPO="$repo" \
   "$scratch/venv/bin/python" -m pytest -q -rs -p no:cacheprovider --rootdir "$scratch/tests" tests
 cd "$repo"
 gpu_skip_count
