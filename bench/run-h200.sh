@@ -14,6 +14,9 @@ out=${OUT:-bench-out}
 bin=${BIN:-carry/bin}
 py=${PYTHON:-python3}
 mkdir -p "$out"
+# Fail closed (as scripts/gpu-check.sh): a check that cannot run here (the memcheck step without
+# compute-sanitizer) is a failure, not a skip; MOONBRIGHT_REQUIRE_GPU=0 makes it a skip again.
+export MOONBRIGHT_REQUIRE_GPU=${MOONBRIGHT_REQUIRE_GPU:-1}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(stress torch_stress latency torch_latency interference gpu_stress sanitizer plot)
 want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -78,8 +81,12 @@ if want sanitizer; then
   if [ -n "$cs" ]; then
     run gpu_stress_memcheck 180 "$cs" --tool memcheck --error-exitcode 3 \
       "$bin/gpu_stress" --threads 3 --ops 300 --max-mib 16 --live-gib 1 --cap-gib 8
-  else
+  elif [ "$MOONBRIGHT_REQUIRE_GPU" = 0 ]; then
     echo "== gpu_stress_memcheck: skipped (compute-sanitizer not found)" | tee "$out/gpu_stress_memcheck.log"
+  else
+    echo "== gpu_stress_memcheck: FAILED (compute-sanitizer not found; MOONBRIGHT_REQUIRE_GPU is set)" |
+      tee "$out/gpu_stress_memcheck.log"
+    status=1
   fi
 fi
 if want plot; then

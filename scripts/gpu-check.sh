@@ -6,6 +6,14 @@
 # (hf: only the Hugging Face GrowableCache GPU test, which py runs too; it needs transformers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Fail closed: a GPU test that cannot reach the GPU (no driver, a broken probe, no PyTorch or
+# CUDA in Python, no libnvrtc, no interposer library) fails here rather than skip as a pass
+# (moonbright::testing for Rust, python/tests/gpu/conftest.py for Python). The Rust GPU tests of
+# one binary also run one at a time whatever --test-threads says (a global-mode graph capture is
+# invalidated by another test's synchronous calls): moonbright::testing::gpu() holds a lock.
+export MOONBRIGHT_REQUIRE_GPU=1
+# The interposer the Python GPU tests of LD_PRELOAD load (they look in target/release otherwise).
+export MOONBRIGHT_PRELOAD_LIB=${MOONBRIGHT_PRELOAD_LIB:-$PWD/carry/lib/libmoonbright_preload.so}
 out=${OUT:-gpu-out}/check
 mkdir -p "$out"
 bin=carry/bin
@@ -49,7 +57,7 @@ if want stress; then
 fi
 if want py; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
-  run python-gpu 400 env PYTHONPATH=/tmp/site python3 -m pytest -x -q python/tests/gpu
+  run python-gpu 600 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs python/tests/gpu
 fi
 if want hf; then
   site=${SITE:-$(mktemp -d)}
@@ -61,7 +69,7 @@ if want paged; then
   run paged-nvrtc 60 "$bin/unit" paged:: --nocapture
   run paged-cuda 300 "$bin/paged" --test-threads 1 --nocapture
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site carry/wheel/moonbright-*.whl
-  run python-paged 300 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -s \
+  run python-paged 300 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs -s \
     python/tests/gpu/test_paged_attention_gpu.py
 fi
 tar czf "${OUT:-gpu-out}/check.tgz" -C "$out" .

@@ -1,7 +1,8 @@
 # Sourced: finds a libnvrtc (CUDA install, PyTorch's nvidia wheels, PyPI's nvidia-cuda-nvrtc in
 # target/nvrtc) and exports MOONBRIGHT_NVRTC, where MoonBright looks for it first (its directory
-# goes on LD_LIBRARY_PATH too). Prints what it found; finding none is not an error (the NVRTC
-# tests then skip, and a paged pool on the CUDA backend reports it).
+# goes on LD_LIBRARY_PATH too). Prints what it found; finding none is not an error here (the
+# NVRTC tests then skip and are counted, or fail under MOONBRIGHT_REQUIRE_GPU=1, and a paged pool
+# on the CUDA backend reports it).
 _mb_find_nvrtc() {
   local d f py=${PYTHON:-python3}
   for d in $(echo "${LD_LIBRARY_PATH:-}" | tr ':' ' ') target/nvrtc/nvidia/*/lib \

@@ -8,7 +8,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository: MOONBRIGHT_TEST_REPO where scripts/test.sh runs a copy of the tests outside it,
+# else the one these tests are in.
+ROOT = os.environ.get("MOONBRIGHT_TEST_REPO") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 
 @pytest.fixture

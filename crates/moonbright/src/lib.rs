@@ -28,6 +28,8 @@ pub mod paged;
 pub mod scenario;
 mod stream;
 pub(crate) mod sync;
+#[doc(hidden)]
+pub mod testing;
 pub mod trace;
 
 pub use allocator::{Allocator, Backend, GrowableInfo};

@@ -1,11 +1,14 @@
 //! CUDA graph capture on a real GPU: while a stream is being captured, MoonBright refuses to
 //! allocate or free on it, with a clear error and no change, unless the capture was begun into
 //! a graph pool (`begin_graph_capture`): then its allocations are baked into the graph and stay
-//! the pool's. Skips (with a message) without a GPU; the host model's capture hook is tested in
-//! streams.rs and graphs.rs.
+//! the pool's. Skips without a GPU (counted; a failure under `MOONBRIGHT_REQUIRE_GPU=1`); the
+//! host model's capture hook is tested in streams.rs and graphs.rs. The tests hold the GPU-test
+//! lock of `moonbright::testing`, so they run one at a time even in parallel test threads: a
+//! global-mode capture is invalidated by another thread's synchronous driver call.
 
 use cudarc::driver::sys;
 use moonbright::driver::Driver;
+use moonbright::testing::Gpu;
 use moonbright::{Allocator, BackendKind, Error, Options};
 
 /// Makes the allocator's context this thread's, for the test's own driver calls (MoonBright's
@@ -18,12 +21,10 @@ fn bind(a: &Allocator) {
 }
 
 /// A CUDA allocator capped at `cap` bytes, validating every step, whose context is this
-/// thread's; `None` (with a message) without a GPU.
-fn cuda_allocator(cap: u64) -> Option<Allocator> {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping: {why}");
-        return None;
-    }
+/// thread's, with the GPU: keep it to the test's end, so that no other GPU test of this process
+/// runs beside the test's global-mode capture. `None` without a GPU (see `moonbright::testing`).
+fn cuda_allocator(cap: u64) -> Option<(Gpu, Allocator)> {
+    let gpu = moonbright::testing::gpu()?;
     let a = Allocator::new(Options {
         backend: BackendKind::Cuda,
         cap_bytes: Some(cap),
@@ -32,12 +33,12 @@ fn cuda_allocator(cap: u64) -> Option<Allocator> {
     })
     .unwrap();
     bind(&a);
-    Some(a)
+    Some((gpu, a))
 }
 
 #[test]
 fn allocation_during_graph_capture_is_refused() {
-    let Some(a) = cuda_allocator(1 << 30) else { return };
+    let Some((_gpu, a)) = cuda_allocator(1 << 30) else { return };
     let s = a.driver().create_stream().unwrap();
     let before = a.malloc_async(4 << 20, s).unwrap();
     let stream = s.0 as sys::CUstream;
@@ -73,7 +74,7 @@ fn allocation_during_graph_capture_is_refused() {
 /// its calls with the thread's capture mode relaxed (`driver/cuda.rs: relaxed`).
 #[test]
 fn allocation_beside_a_global_mode_capture_leaves_it_valid() {
-    let Some(a) = cuda_allocator(4 << 30) else { return };
+    let Some((_gpu, a)) = cuda_allocator(4 << 30) else { return };
     let s = a.driver().create_stream().unwrap();
     let other = a.driver().create_stream().unwrap();
     let stream = s.0 as sys::CUstream;
@@ -128,7 +129,7 @@ fn ok(r: sys::CUresult) {
 /// released pool gives everything back.
 #[test]
 fn allocation_in_a_capture_begun_into_a_pool_is_baked_into_the_graph() {
-    let Some(a) = cuda_allocator(4 << 30) else { return };
+    let Some((_gpu, a)) = cuda_allocator(4 << 30) else { return };
     let (s, other) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
     let stream = s.0 as sys::CUstream;
     let pool = (0, 42);

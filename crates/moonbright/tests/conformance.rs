@@ -1,5 +1,6 @@
 //! One conformance suite, run against every backend: the host backend always, the CUDA backend
-//! when a GPU is present (each CUDA case prints why it skips otherwise).
+//! when a GPU is present (otherwise each CUDA case skips through `moonbright::testing`: counted,
+//! or a failure under `MOONBRIGHT_REQUIRE_GPU=1`).
 
 use moonbright::baseline::NoRemapAllocator;
 use moonbright::scenario::{fragmentation, stamp, verify};
@@ -30,22 +31,18 @@ fn host_deferred_options() -> Options {
     Options { captures_announced: true, deferred_free_events: true, ..host_background_options() }
 }
 
-fn cuda_deferred_options() -> Option<Options> {
-    cuda_options().map(|o| Options { captures_announced: true, deferred_free_events: true, ..o })
+fn cuda_deferred_options() -> Options {
+    Options { captures_announced: true, deferred_free_events: true, ..cuda_options() }
 }
 
-fn cuda_options() -> Option<Options> {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping the cuda backend: {why}");
-        return None;
-    }
-    Some(Options {
+fn cuda_options() -> Options {
+    Options {
         backend: BackendKind::Cuda,
         cap_bytes: Some(2 << 30),
         validate: true,
         unmap_batch_ranges: 8,
         ..Options::default()
-    })
+    }
 }
 
 fn ranges_disjoint(mut spans: Vec<(u64, u64)>) -> bool {
@@ -756,143 +753,130 @@ macro_rules! suite {
     ($backend:ident, $opts:expr) => {
         mod $backend {
             use super::*;
-            fn make() -> Option<Allocator> {
-                let opts: Option<Options> = $opts;
-                opts.map(|o| Allocator::new(o).expect("allocator"))
+            /// The suite's options, and for the CUDA backend the GPU (held to the test's end:
+            /// GPU tests run one at a time); `None` when the test skips (no GPU).
+            fn opts() -> Option<(Option<moonbright::testing::Gpu>, Options)> {
+                let o: Options = $opts;
+                let gpu = match o.backend {
+                    BackendKind::Cuda => Some(moonbright::testing::gpu()?),
+                    _ => None,
+                };
+                Some((gpu, o))
             }
             #[test]
             fn alignment() {
-                if let Some(a) = make() {
-                    super::alignment(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::alignment(&a)
             }
             #[test]
             fn bad_requests_change_nothing() {
-                if let Some(a) = make() {
-                    super::bad_requests_change_nothing(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::bad_requests_change_nothing(&a)
             }
             #[test]
             fn oom_and_recovery() {
-                if let Some(a) = make() {
-                    super::oom_and_recovery(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::oom_and_recovery(&a)
             }
             #[test]
             fn set_cap_limits_growth() {
-                if let Some(a) = make() {
-                    super::set_cap_limits_growth(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::set_cap_limits_growth(&a)
             }
             #[test]
             fn random_mix_keeps_contents() {
-                if let Some(a) = make() {
-                    for seed in 0..3 {
-                        super::random_mix_keeps_contents(&a, seed, 600)
-                    }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                for seed in 0..3 {
+                    super::random_mix_keeps_contents(&a, seed, 600)
                 }
             }
             #[test]
             fn frees_from_other_threads() {
-                if let Some(a) = make() {
-                    super::frees_from_other_threads(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::frees_from_other_threads(&a)
             }
             #[test]
             fn short_lived_streams() {
-                if let Some(a) = make() {
-                    super::short_lived_streams(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::short_lived_streams(&a)
             }
             #[test]
             fn fragmentation_scenario() {
-                if let Some(a) = make() {
-                    super::fragmentation_scenario(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::fragmentation_scenario(&a)
             }
             #[test]
             fn baseline_fails_fragmentation() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::baseline_fails_fragmentation(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::baseline_fails_fragmentation(o)
             }
             #[test]
             fn unmapped_addresses_are_reused() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::unmapped_addresses_are_reused(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::unmapped_addresses_are_reused(o)
             }
             #[test]
             fn large_needs_use_large_chunks() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::large_needs_use_large_chunks(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::large_needs_use_large_chunks(o)
             }
             #[test]
             fn large_fresh_requests_get_whole_window_chunks() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::large_fresh_requests_get_whole_window_chunks(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::large_fresh_requests_get_whole_window_chunks(o)
             }
             #[test]
             fn a_failed_whole_window_refill_is_recorded_and_retried() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::a_failed_whole_window_refill_is_recorded_and_retried(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::a_failed_whole_window_refill_is_recorded_and_retried(o)
             }
             #[test]
             fn large_needs_take_power_of_two_chunks() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::large_needs_take_power_of_two_chunks(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::large_needs_take_power_of_two_chunks(o)
             }
             #[test]
             fn reservations_start_on_page_table_regions() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::reservations_start_on_page_table_regions(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::reservations_start_on_page_table_regions(o)
             }
             #[test]
             fn thousands_of_one_page_chunks_stitch_into_one_range() {
-                let opts: Option<Options> = $opts;
-                if let Some(o) = opts {
-                    super::thousands_of_one_page_chunks_stitch_into_one_range(o)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                super::thousands_of_one_page_chunks_stitch_into_one_range(o)
             }
             #[test]
             fn release_unused_gives_memory_back() {
-                if let Some(a) = make() {
-                    super::release_unused_gives_memory_back(&a)
-                }
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::release_unused_gives_memory_back(&a)
             }
         }
     };
 }
 
-suite!(host, Some(host_options()));
-suite!(host_background, Some(host_background_options()));
-suite!(host_deferred, Some(host_deferred_options()));
+suite!(host, host_options());
+suite!(host_background, host_background_options());
+suite!(host_deferred, host_deferred_options());
 suite!(cuda, cuda_options());
 suite!(cuda_deferred, cuda_deferred_options());
 // Carving on, with room for it to run often: ranges of chunks cut page-granular.
 // Every size under `carve` (`carve_repeated` 0), so that repeated sizes carve as much.
-suite!(host_carve, Some(Options { carve: 1.0, carve_repeated: 0.0, ..host_options() }));
-suite!(
-    host_carve_deferred,
-    Some(Options { carve: 1.0, carve_repeated: 0.0, ..host_deferred_options() })
-);
-suite!(cuda_carve, cuda_options().map(|o| Options { carve: 1.0, carve_repeated: 0.0, ..o }));
+suite!(host_carve, Options { carve: 1.0, carve_repeated: 0.0, ..host_options() });
+suite!(host_carve_deferred, Options { carve: 1.0, carve_repeated: 0.0, ..host_deferred_options() });
+suite!(cuda_carve, Options { carve: 1.0, carve_repeated: 0.0, ..cuda_options() });
 // New memory before stealing, up to twice the peak in use: fewer steals, one chunk per growth.
-suite!(host_grow_first, Some(Options { grow_first: 1.0, ..host_options() }));
-suite!(host_grow_first_deferred, Some(Options { grow_first: 1.0, ..host_deferred_options() }));
-suite!(cuda_grow_first, cuda_options().map(|o| Options { grow_first: 1.0, ..o }));
+suite!(host_grow_first, Options { grow_first: 1.0, ..host_options() });
+suite!(host_grow_first_deferred, Options { grow_first: 1.0, ..host_deferred_options() });
+suite!(cuda_grow_first, Options { grow_first: 1.0, ..cuda_options() });
 
 #[test]
 fn history_and_segments_describe_what_happened() {

@@ -188,18 +188,36 @@ fn fail_each_position_carving(kind: CallKind, carve: f64, grow_first: f64) {
     } else {
         (1..=calls).step_by((calls / 40) as usize).collect()
     };
-    let mut seen_failures = 0;
+    let (mut seen_failures, mut fired_count) = (0, 0);
     for n in positions {
         let a = tight_carving(carve, grow_first);
+        let before = a.stats().driver_calls.get(kind);
         a.driver().fail_nth(kind, n, None);
-        seen_failures += workload(&a, 7, 250);
+        let failed = workload(&a, 7, 250);
+        // Whether the workload made the call planned to fail (else the drain would, after its
+        // `clear_failures`).
+        let fired = a.stats().driver_calls.get(kind) - before >= n;
+        let (deferred, last) = (a.stats().deferred_errors, a.take_deferred_error());
         drains_clean(&a);
-        // Unmap failures (and those freeing a released growable's addresses) are deferred: they
-        // surface as a recorded error, not a failed request.
-        if matches!(kind, CallKind::Unmap | CallKind::FreeReservation) {
-            let _ = a.take_deferred_error();
+        seen_failures += failed;
+        if !fired {
+            assert_eq!((failed, deferred), (0, 0), "{kind} call {n}: a failure that never fired");
+            continue;
+        }
+        fired_count += 1;
+        // A failure must surface: as a failed request, or (unmaps, releases, addresses freed
+        // after an unmap: the work of a free or of the worker) as a deferred error recorded in
+        // the statistics and kept for `take_deferred_error`.
+        if failed == 0 {
+            assert!(
+                deferred > 0,
+                "{kind} call {n} failed, and no request or deferred error said so"
+            );
+            let e = last.expect("a deferred error counted but not kept");
+            assert_eq!((e.call, e.message.as_str()), (kind, "injected failure"), "{e}");
         }
     }
+    assert!(fired_count > 0, "no injected {kind} failure fired within the workload");
     if !matches!(kind, CallKind::Unmap | CallKind::Release | CallKind::FreeReservation) {
         assert!(seen_failures > 0, "no request failed from an injected {kind} failure");
     }

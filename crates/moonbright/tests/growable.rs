@@ -133,32 +133,29 @@ fn host_bad_input_changes_nothing() {
     bad_input_changes_nothing(&Allocator::new(opts(false)).unwrap());
 }
 
-fn cuda() -> Option<Allocator> {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping the cuda backend: {why}");
-        return None;
-    }
+/// A CUDA allocator, with the GPU (held to the test's end); `None` without a GPU (see
+/// `moonbright::testing`).
+fn cuda() -> Option<(moonbright::testing::Gpu, Allocator)> {
+    let gpu = moonbright::testing::gpu()?;
     let o = Options {
         backend: BackendKind::Cuda,
         cap_bytes: Some(2 << 30),
         validate: true,
         ..Options::default()
     };
-    Some(Allocator::new(o).unwrap())
+    Some((gpu, Allocator::new(o).unwrap()))
 }
 
 #[test]
 fn cuda_grows_in_place() {
-    if let Some(a) = cuda() {
-        grows_in_place(&a);
-    }
+    let Some((_gpu, a)) = cuda() else { return };
+    grows_in_place(&a);
 }
 
 #[test]
 fn cuda_bad_input_changes_nothing() {
-    if let Some(a) = cuda() {
-        bad_input_changes_nothing(&a);
-    }
+    let Some((_gpu, a)) = cuda() else { return };
+    bad_input_changes_nothing(&a);
 }
 
 #[test]

@@ -2,8 +2,8 @@
 //! memory must equal the host reference applied to the step's delta and the pool's own
 //! metadata, and every token written through the slot mapping must read back through the block
 //! table (which checks copy-on-write). Host backend always (proptest); CUDA backend when a GPU
-//! is present (fixed seeds; it skips with a message otherwise). Bad requests must change
-//! nothing.
+//! is present (fixed seeds; skipped otherwise: counted, or a failure under
+//! `MOONBRIGHT_REQUIRE_GPU=1`). Bad requests must change nothing.
 
 use std::collections::HashMap;
 
@@ -31,11 +31,10 @@ fn host_alloc() -> Allocator {
     Allocator::new(Options { cap_fraction: 1.0, ..Options::host(64 << 20, 64 << 10) }).unwrap()
 }
 
-fn cuda_alloc() -> Option<(Allocator, StreamHandle)> {
-    if let Err(why) = moonbright::driver::cuda::probe() {
-        eprintln!("skipping the cuda backend: {why}");
-        return None;
-    }
+/// A CUDA allocator and a stream, with the GPU (held to the test's end); `None` without a GPU
+/// (see `moonbright::testing`).
+fn cuda_alloc() -> Option<(moonbright::testing::Gpu, Allocator, StreamHandle)> {
+    let gpu = moonbright::testing::gpu()?;
     let a = Allocator::new(Options {
         backend: BackendKind::Cuda,
         cap_bytes: Some(1 << 30),
@@ -44,7 +43,7 @@ fn cuda_alloc() -> Option<(Allocator, StreamHandle)> {
     .unwrap();
     use moonbright::driver::Driver;
     let s = a.driver().create_stream().unwrap();
-    Some((a, s))
+    Some((gpu, a, s))
 }
 
 #[derive(Clone, Debug)]
@@ -327,7 +326,7 @@ proptest! {
 
 #[test]
 fn cuda_backend_matches_the_reference_after_every_step() {
-    let Some((a, s)) = cuda_alloc() else { return };
+    let Some((_gpu, a, s)) = cuda_alloc() else { return };
     for seed in 0..12 {
         let mut pool = match PagedPool::new(&a, config(), s) {
             Ok(p) => p,
@@ -479,7 +478,7 @@ fn bad_input_is_refused_and_changes_nothing_host() {
 
 #[test]
 fn bad_input_is_refused_and_changes_nothing_cuda() {
-    let Some((a, s)) = cuda_alloc() else { return };
+    let Some((_gpu, a, s)) = cuda_alloc() else { return };
     let mut pool = PagedPool::new(&a, config(), s).unwrap();
     bad_input_on(&mut pool);
 }

@@ -919,17 +919,12 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
-    /// Device 0, or `None` (after saying why) when this machine has no usable GPU.
-    fn gpu() -> Option<CudaDriver> {
-        match probe() {
-            Err(why) => {
-                println!("skipping: {why}");
-                None
-            }
-            Ok(_) => Some(
-                CudaDriver::new(0).expect("probe found a device but CudaDriver::new(0) failed"),
-            ),
-        }
+    /// Device 0, with the GPU-test lock, or `None` when this machine has no usable GPU (the
+    /// skip counted, or a failure under `MOONBRIGHT_REQUIRE_GPU=1`: see `crate::testing`).
+    fn gpu() -> Option<(crate::testing::Gpu, CudaDriver)> {
+        let gpu = crate::testing::gpu()?;
+        let d = CudaDriver::new(0).expect("probe found a device but CudaDriver::new(0) failed");
+        Some((gpu, d))
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -958,7 +953,7 @@ mod tests {
 
     #[test]
     fn granularity_and_mem_info() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let g = d.granularity();
         assert!(g.is_power_of_two() && g >= 64 << 10, "granularity {g}");
         let info = d.mem_info().unwrap();
@@ -973,7 +968,7 @@ mod tests {
     /// forgets it; without `set_shareable` an export is refused.
     #[test]
     fn exported_chunks_import_again_and_their_descriptors_are_kept_until_release() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let g = d.granularity();
         let plain = d.create_chunk(g).unwrap();
         let e = d.export_chunk(plain, g).unwrap_err();
@@ -1008,7 +1003,7 @@ mod tests {
 
     #[test]
     fn map_alias_read_write_unmap() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let g = d.granularity();
         let g64 = g as u64;
         let base = d.reserve(3 * g, 0).unwrap();
@@ -1049,7 +1044,7 @@ mod tests {
 
     #[test]
     fn released_chunk_lives_while_mapped() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let g = d.granularity();
         let base = d.reserve(g, 0).unwrap();
         let a = d.create_chunk(g).unwrap();
@@ -1067,7 +1062,7 @@ mod tests {
 
     #[test]
     fn event_on_fresh_stream_completes() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let s = d.create_stream().unwrap();
         assert_ne!(s, StreamHandle::DEFAULT);
         for stream in [s, StreamHandle::DEFAULT] {
@@ -1087,7 +1082,7 @@ mod tests {
 
     #[test]
     fn errors_are_values_with_the_right_kind() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let g = d.granularity();
         let base = d.reserve(2 * g, 0).unwrap();
         let a = d.create_chunk(g).unwrap();
@@ -1109,7 +1104,7 @@ mod tests {
 
     #[test]
     fn usable_from_a_thread_without_a_current_context() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let d = std::sync::Arc::new(d);
         let handles: Vec<_> = (0..4)
             .map(|_| {
@@ -1139,7 +1134,7 @@ mod tests {
 
     #[test]
     fn calls_leave_the_threads_current_context_as_they_find_it() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let d = std::sync::Arc::new(d);
         let d2 = d.clone();
         std::thread::spawn(move || {
@@ -1182,7 +1177,7 @@ mod tests {
 
     #[test]
     fn a_batch_sets_up_once_and_leaves_the_thread_as_it_found_it() {
-        let Some(d) = gpu() else { return };
+        let Some((_gpu, d)) = gpu() else { return };
         let d = std::sync::Arc::new(d);
         let d2 = d.clone();
         std::thread::spawn(move || {
@@ -1224,8 +1219,8 @@ mod tests {
 
     #[test]
     fn peers_are_checked_and_named_in_set_access() {
-        let Some(d) = gpu() else { return };
-        let count = probe().unwrap();
+        let Some((gpu, d)) = gpu() else { return };
+        let count = gpu.devices;
         for bad in [d.device(), count, -1] {
             let e = d.set_peers(&[bad]).unwrap_err();
             assert_eq!(e.call, CallKind::PeerAccess, "{e}");
