@@ -30,6 +30,16 @@ def test_import_and_version():
     assert moonbright.page_size() == PAGE
 
 
+def test_parse_conf_profiles():
+    assert moonbright.parse_conf("")["profile"] == "balanced"
+    o = moonbright.parse_conf("profile:latency")
+    assert (o["profile"], o["grow_first"]) == ("latency", 0.3)
+    o = moonbright.parse_conf("profile:memory,grow_first:0.1")
+    assert (o["profile"], o["carve"], o["grow_first"]) == ("memory", 0.0, 0.1)
+    with pytest.raises(ValueError, match="profile"):
+        moonbright.parse_conf("profile:fastest")
+
+
 def test_parse_conf_values_and_errors():
     o = moonbright.parse_conf("backend:host,cap:12GiB,unmap_batch:8,validate:false")
     assert o["backend"] == "host" and o["cap"] == 12 << 30 and o["unmap_batch"] == 8

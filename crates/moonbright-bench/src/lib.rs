@@ -46,12 +46,19 @@ pub fn default_window() -> (u64, u64) {
 /// MoonBright options on the CUDA backend: `cap` bytes, chunks up to `max_chunk`, a window of
 /// `window` bytes (0: none) and background workers on or off.
 pub fn mb_options(cap: Option<u64>, max_chunk: u64, window: (u64, u64), bg: bool) -> Options {
-    let mut o = Options {
-        backend: BackendKind::Cuda,
-        cap_bytes: cap,
-        max_chunk_bytes: max_chunk,
-        ..env_options()
-    };
+    mb_options_from(env_options(), cap, max_chunk, window, bg)
+}
+
+/// `mb_options` over `base` (`profile_options`, say) instead of `env_options()`.
+pub fn mb_options_from(
+    base: Options,
+    cap: Option<u64>,
+    max_chunk: u64,
+    window: (u64, u64),
+    bg: bool,
+) -> Options {
+    let mut o =
+        Options { backend: BackendKind::Cuda, cap_bytes: cap, max_chunk_bytes: max_chunk, ..base };
     window_options(&mut o, window.0, window.1);
     background_option(&mut o, bg);
     o
@@ -62,6 +69,17 @@ pub fn mb_options(cap: Option<u64>, max_chunk: u64, window: (u64, u64), bg: bool
 pub fn env_options() -> Options {
     let conf = std::env::var(moonbright::conf::ENV_VAR).unwrap_or_default();
     moonbright::conf::parse_conf_over(Options::default(), &conf).unwrap_or_else(|e| {
+        eprintln!("{}: {e}", moonbright::conf::ENV_VAR);
+        std::process::exit(2)
+    })
+}
+
+/// `profile`'s options with `MOONBRIGHT_ALLOC_CONF` applied over them (its tuning options win,
+/// as beside a profile in the string).
+pub fn profile_options(profile: moonbright::Profile) -> Options {
+    let conf = std::env::var(moonbright::conf::ENV_VAR).unwrap_or_default();
+    let base = Options::default().with_profile(profile);
+    moonbright::conf::parse_conf_over(base, &conf).unwrap_or_else(|e| {
         eprintln!("{}: {e}", moonbright::conf::ENV_VAR);
         std::process::exit(2)
     })

@@ -384,6 +384,7 @@ fn parse_conf(py: Python<'_>, text: &str) -> PyResult<Py<PyDict>> {
 
 fn options_dict(py: Python<'_>, o: &Options) -> PyResult<Py<PyDict>> {
     let d = PyDict::new(py);
+    d.set_item("profile", o.profile.name())?;
     d.set_item("backend", format!("{:?}", o.backend).to_lowercase())?;
     d.set_item("device", o.device)?;
     d.set_item("cap", o.cap_bytes)?;

@@ -19,6 +19,10 @@ pub const ENV_VAR: &str = "MOONBRIGHT_ALLOC_CONF";
 
 /// Every key, with what its value may be.
 pub const KEYS: &[(&str, &str)] = &[
+    (
+        "profile",
+        "memory, balanced or latency: the placement policy as a whole (options set beside it win)",
+    ),
     ("backend", "auto, cuda or host"),
     ("device", "a CUDA device ordinal, 0 or more"),
     ("cap", "bytes, with an optional suffix B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 12GiB)"),
@@ -191,6 +195,7 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         "carve" => opts.carve = fraction()?,
         "carve_repeated" => opts.carve_repeated = fraction()?,
         "grow_first" => opts.grow_first = up_to(10.0)?,
+        "profile" => v.parse::<crate::config::Profile>()?.apply(opts),
         "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
         "captures_announced" => {
@@ -205,13 +210,16 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     Ok(())
 }
 
-/// Applies `(key, value)` pairs over `base`, then checks the result.
+/// Applies `(key, value)` pairs over `base`, then checks the result. A `profile` is applied
+/// before the other keys, wherever it stands, so that tuning options set beside it win.
 pub fn apply_pairs<'a, I>(base: Options, pairs: I) -> Result<Options>
 where
     I: IntoIterator<Item = (&'a str, &'a str)>,
 {
     let mut opts = base;
-    for (k, v) in pairs {
+    let (profiles, rest): (Vec<_>, Vec<_>) =
+        pairs.into_iter().partition(|(k, _)| k.trim() == "profile");
+    for (k, v) in profiles.into_iter().chain(rest) {
         apply(&mut opts, k, v)?;
     }
     opts.check()?;
@@ -292,6 +300,31 @@ mod tests {
         assert_eq!(o.unmap_batch_ranges, 7);
         assert_eq!(o.unmap_batch_bytes, 1_000_000);
         assert!(o.validate);
+    }
+
+    #[test]
+    fn a_profile_sets_the_tuning_and_options_beside_it_win() {
+        use crate::config::Profile;
+        let d = Options::default();
+        assert_eq!(d.profile, Profile::Balanced);
+        assert_eq!(parse_conf("profile:balanced").unwrap(), d);
+        let m = parse_conf("profile:memory").unwrap();
+        assert_eq!((m.carve, m.profile), (0.0, Profile::Memory));
+        assert_eq!(m.carve_repeated, d.carve_repeated);
+        let l = parse_conf("profile:latency").unwrap();
+        assert_eq!((l.grow_first, l.carve, l.profile), (0.3, d.carve, Profile::Latency));
+        assert_eq!(l, Options::default().with_profile(Profile::Latency));
+        // Set beside a profile, before or after it, a tuning option wins.
+        for text in ["grow_first:0.1,profile:latency", "profile:latency,grow_first:0.1"] {
+            let o = parse_conf(text).unwrap();
+            assert_eq!((o.grow_first, o.profile), (0.1, Profile::Latency), "{text}");
+        }
+        // A profile resets what another set: the last one stands.
+        let o = parse_conf("profile:memory,profile:latency").unwrap();
+        assert_eq!((o.carve, o.grow_first), (d.carve, 0.3));
+        let (name, reason) = err_of("profile:fast");
+        assert_eq!(name, "profile");
+        assert!(reason.contains("memory, balanced, latency"), "{reason}");
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub mod testing;
 pub mod trace;
 
 pub use allocator::{Allocator, Backend, GrowableInfo};
-pub use config::{BackendKind, Options};
+pub use config::{BackendKind, Options, Profile};
 pub use core::stats::{Stat, Stats};
 pub use driver::{CallKind, DevicePtr, DriverError, StreamHandle};
 pub use error::{Error, Result};

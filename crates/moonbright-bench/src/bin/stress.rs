@@ -1,8 +1,8 @@
 //! The fragmentation stress: 20,000 operations, sizes log-uniform from 1 KiB to
 //! 512 MiB, random lifetimes, about 60 GiB live, fixed seed. Reports peak reserved over peak
-//! allocated, alloc p50/p99 and operations per second for MoonBright (by default, without its
-//! window, and with `grow_first` at `GROW_FIRST_ROW`) and the no-remap baseline, and writes the
-//! operation sequence as CSV for bench/torch_stress.py.
+//! allocated, alloc p50/p99 and operations per second for MoonBright (each profile: memory,
+//! balanced, the default, and latency; and balanced without its window) and the no-remap
+//! baseline, and writes the operation sequence as CSV for bench/torch_stress.py.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -15,7 +15,7 @@ use moonbright::Allocator;
 use moonbright_bench::cu::{Gpu, Stream};
 use moonbright_bench::stats::{us_since, Summary};
 use moonbright_bench::workload::{stress_ops, to_csv, Op, StressSpec};
-use moonbright_bench::{main_wrapper, mb_options, Res, GIB, MIB};
+use moonbright_bench::{main_wrapper, mb_options, mb_options_from, Res, GIB, MIB};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
@@ -128,10 +128,6 @@ impl Replay for Mb {
         ]
     }
 }
-
-/// `Options::grow_first` in the stress's third MoonBright row: held memory up to 1.3x of the
-/// peak in use, about what PyTorch's default allocator holds here (1.317).
-const GROW_FIRST_ROW: f64 = 0.3;
 
 /// Allocations grouped by how many chunk handles the request mapped itself: 0 (a cache, window
 /// or sub-page hit), 1, 2-3, 4-7, 8-15, 16-31, 32 or more.
@@ -295,19 +291,21 @@ fn run() -> Res<()> {
     let stream = if gpu.is_some() { Some(Stream::new(true)?) } else { None };
     let mut outcomes = vec![];
     let default_window = moonbright_bench::default_window();
+    use moonbright::Profile;
     let rows = [
-        ("MoonBright".to_string(), default_window, None),
-        ("MoonBright (no window)".to_string(), (0, 0), None),
-        (format!("MoonBright (grow_first {GROW_FIRST_ROW})"), default_window, Some(GROW_FIRST_ROW)),
+        ("MoonBright (balanced, the default)", Profile::Balanced, default_window),
+        ("MoonBright (memory)", Profile::Memory, default_window),
+        ("MoonBright (latency)", Profile::Latency, default_window),
+        ("MoonBright (balanced, no window)", Profile::Balanced, (0, 0)),
     ];
-    for (name, window, grow_first) in rows {
+    for (name, profile, window) in rows {
+        let name = name.to_string();
         // The worker runs unless `MOONBRIGHT_ALLOC_CONF` turns it off (`background:false`,
         // which makes a `--host` run deterministic).
         let background = moonbright_bench::env_options().background;
-        let mut opts = mb_options(None, moonbright_bench::max_chunk(), window, background);
-        if let Some(g) = grow_first {
-            opts.grow_first = g;
-        }
+        let base = moonbright_bench::profile_options(profile);
+        let mut opts =
+            mb_options_from(base, None, moonbright_bench::max_chunk(), window, background);
         if args.host {
             opts.backend = moonbright::BackendKind::Host;
             opts.host_capacity = 140 * GIB;
@@ -392,12 +390,9 @@ fn run() -> Res<()> {
         }
     }
     println!("(res/req: peak reserved over the sequence's peak requested bytes; res/alc: over the");
-    println!(" allocator's own peak allocated; times in us; target: MoonBright res/alc <= 1.05,");
-    println!(" alloc p99 <= PyTorch default's; grow_first {GROW_FIRST_ROW} trades memory for the");
-    println!(
-        " p99: new memory before stealing while held stays within {:.2}x of the peak in use)",
-        1.0 + GROW_FIRST_ROW
-    );
+    println!(" allocator's own peak allocated; times in us; profiles: memory holds the least,");
+    println!(" latency trades memory for the p99 (new memory before stealing while held stays");
+    println!(" within 1.3x of the peak in use), balanced is the default between them)");
     if let Some(path) = &args.json {
         let report = Report { gpu: gpu_name, spec, outcomes };
         moonbright_bench::write_json(path, &report)?;
