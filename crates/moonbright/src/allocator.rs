@@ -357,8 +357,12 @@ impl Allocator {
     /// Exports the live allocation (or growable) at `ptr` for another process: the chunks that
     /// back it, each as a file descriptor, to send with [`Export::send`] over a Unix socket.
     /// The allocation must stay live until every importer has closed it, as with
-    /// `cudaIpcGetMemHandle`. An allocation below a page shares the page it is carved from.
-    /// Needs option `ipc` (on by default) and a driver that gives POSIX file descriptor handles.
+    /// `cudaIpcGetMemHandle`. Only the chunks the allocation's bytes lie in are shared, and
+    /// they are never reused here: once the allocation is freed (and unmapped) they go back to
+    /// the driver. A block carved from an arena (below a page, or cut from cached chunks under
+    /// option `carve`) shares its chunks with other allocations and is refused
+    /// (`Error::Ipc`; docs/security.md). Needs option `ipc` (on by default) and a driver that
+    /// gives POSIX file descriptor handles.
     pub fn export(&self, ptr: DevicePtr) -> Result<Export> {
         let driver = self.driver();
         if !self.options().ipc || !driver.shareable() {
