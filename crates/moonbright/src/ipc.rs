@@ -217,7 +217,15 @@ impl Export {
         // taking any in (a peek installs none).
         let mut prefix = [0u8; PREFIX];
         peek_exact(socket, &mut prefix, deadline)?;
-        let (body_len, count) = read_prefix(&prefix)?;
+        let (body_len, count) = match read_prefix(&prefix) {
+            Ok(r) => r,
+            Err(e) => {
+                // Taken off the socket as a read would have (any descriptor with them is
+                // closed by the kernel: there is no room for one).
+                let _ = recv_exact(socket, &mut prefix, &mut Vec::new(), 0, deadline);
+                return Err(e);
+            }
+        };
         let mut fds = Vec::new();
         recv_exact(socket, &mut prefix, &mut fds, count, deadline)?;
         let mut body = vec![0u8; body_len];
@@ -394,10 +402,17 @@ fn peek_exact(socket: BorrowedFd<'_>, buf: &mut [u8], deadline: Option<Instant>)
             }
             Ok((_, n)) if n >= buf.len() => return Ok(()),
             // Part of it so far: wait for more (a peek returns what is there, from the start).
+            // The bytes there keep the socket readable: sleep a little instead of spinning,
+            // unless the other side has closed, when no more will come.
             Ok(_) => {
-                let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::IN)];
-                // The bytes there keep the socket readable: sleep a little instead of spinning.
+                let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::RDHUP)];
                 let _ = poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 1_000_000 }));
+                let gone = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR;
+                if fds[0].revents().intersects(gone) {
+                    return Err(Error::Ipc(
+                        "receiving an export: the socket was closed part-way".into(),
+                    ));
+                }
                 if deadline.is_some_and(|d| Instant::now() >= d) {
                     return Err(timed_out());
                 }
@@ -731,6 +746,15 @@ mod tests {
         let r = within(Duration::from_secs(5), move || Export::recv_by(&b, Some(deadline)));
         assert!(matches!(r, Some(Err(Error::Ipc(m))) if m.contains("timed out")));
         drop(a);
+    }
+
+    #[test]
+    fn a_prefix_cut_short_by_a_close_is_refused_at_once() {
+        let (a, b) = UnixStream::pair().unwrap();
+        std::io::Write::write_all(&mut &a, &MAGIC[..6]).unwrap();
+        drop(a);
+        let r = within(std::time::Duration::from_secs(5), move || Export::recv(&b).map(|_| ()));
+        assert!(matches!(r, Some(Err(Error::Ipc(m))) if m.contains("closed")));
     }
 
     #[test]
