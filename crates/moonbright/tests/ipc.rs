@@ -198,6 +198,23 @@ fn freed_exported_memory_goes_back_to_the_driver_and_never_to_another_allocation
 }
 
 #[test]
+fn a_graph_pools_block_is_not_exported() {
+    let _one = one_at_a_time();
+    let a = host(8);
+    // A block of a graph's private pool: freed, the pool keeps it for its next allocations.
+    a.begin_allocate_to_pool((1, 1)).unwrap();
+    let p = a.malloc(2 * PAGE).unwrap();
+    a.end_allocate_to_pool().unwrap();
+    match a.export(p) {
+        Err(Error::Ipc(m)) => assert!(m.contains("graph's private pool"), "{m}"),
+        other => panic!("a graph pool's block was exported: {other:?}"),
+    }
+    a.free(p).unwrap();
+    a.release_graph_pool((1, 1)).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
 fn an_exported_allocation_freed_on_a_stream_is_not_reused_by_that_stream() {
     let _one = one_at_a_time();
     let a = host(8);
@@ -396,4 +413,68 @@ fn a_peer_enabled_after_an_import_reaches_it_and_a_failed_grant_adds_no_peer() {
     b.close_import(q).unwrap();
     b.free(own).unwrap();
     a.free(p).unwrap();
+}
+
+/// What each way of exporting an allocation that shares its chunks costs on the host backend
+/// (docs/security.md, "What an importer can reach"): refusing it, and the least that moving it
+/// to chunks of its own would take (a fresh allocation of its own range, its bytes copied, the
+/// copy exported) before the part no move can do, giving the block's address those chunks.
+/// And what a free of exported memory costs against a free to the cache: the chunks are
+/// unmapped and released at the next flush instead of kept. Prints µs per operation (medians).
+/// Run: `cargo test --release -p moonbright --test ipc -- --ignored --nocapture measure_`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn measure_export_costs() {
+    let _one = one_at_a_time();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let us = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e6;
+    let reps = 2000;
+    let a = host(64);
+    let blocks: Vec<u64> = (0..8).map(|_| a.malloc(4096).unwrap()).collect();
+    let (mut refuse, mut moved) = (Vec::new(), Vec::new());
+    let mut bytes = vec![0u8; 4096];
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        assert!(a.export(blocks[3]).is_err());
+        refuse.push(us(t));
+        let t = std::time::Instant::now();
+        let own = a.malloc(PAGE).unwrap();
+        a.read(blocks[3], &mut bytes).unwrap();
+        a.write(own, &bytes).unwrap();
+        let e = a.export(own).unwrap();
+        moved.push(us(t));
+        drop(e);
+        a.free(own).unwrap();
+        a.flush().unwrap();
+    }
+    println!("export of a 4 KiB block that shares its page: refused {:.2} µs", median(refuse));
+    println!(
+        "  a copy into a page of its own, exported (the least a move costs): {:.2} µs",
+        median(moved)
+    );
+    let (mut cached, mut released) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let p = a.malloc(2 * PAGE).unwrap();
+        let t = std::time::Instant::now();
+        a.free(p).unwrap();
+        a.flush().unwrap();
+        cached.push(us(t));
+        let p = a.malloc(2 * PAGE).unwrap();
+        drop(a.export(p).unwrap());
+        let t = std::time::Instant::now();
+        a.free(p).unwrap();
+        a.flush().unwrap();
+        released.push(us(t));
+    }
+    println!(
+        "free + flush of 2 pages: cached {:.2} µs, exported (unmapped, released) {:.2} µs",
+        median(cached),
+        median(released)
+    );
+    for p in blocks {
+        a.free(p).unwrap();
+    }
 }
