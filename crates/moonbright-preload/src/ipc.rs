@@ -733,24 +733,29 @@ mod tests {
     }
 
     /// A host allocator's export of a fresh allocation, and the allocator.
-    fn exported() -> (moonbright::Allocator, u64) {
+    fn exported() -> (&'static moonbright::Allocator, u64) {
         let a = moonbright::Allocator::new(moonbright::Options::host(1 << 24, 1 << 16)).unwrap();
         let p = a.malloc(1 << 16).unwrap();
-        (a, p)
+        (Box::leak(Box::new(a)), p)
+    }
+
+    /// `b` serving a host allocator's exports (on a thread of its own), and the handle of an
+    /// allocation of it.
+    fn serving(b: &'static Broker) -> (&'static moonbright::Allocator, u64, Handle) {
+        let (a, p) = exported();
+        let start = move |l: UnixListener| {
+            std::thread::spawn(move || b.serve(l, |p, _| a.export(p).map_err(|e| e.to_string())));
+            Ok(())
+        };
+        let raw = b.handle(p, 0, || a.export(p).map_err(|e| e.to_string()), start).unwrap();
+        (a, p, Handle::decode(&raw).unwrap())
     }
 
     #[test]
     fn a_token_is_void_before_its_memory_is_freed() {
         static B: Broker = Broker::new();
         let b = &B;
-        let (a, p) = exported();
-        let a = &*Box::leak(Box::new(a));
-        let start = |l: UnixListener| {
-            std::thread::spawn(move || b.serve(l, |p, _| a.export(p).map_err(|e| e.to_string())));
-            Ok(())
-        };
-        let raw = b.handle(p, 0, || a.export(p).map_err(|e| e.to_string()), start).unwrap();
-        let h = Handle::decode(&raw).unwrap();
+        let (a, p, h) = serving(b);
         assert!(fetch(&h, PATIENCE).is_ok(), "served while the allocation is live");
         // An importer served while the free runs, or at any time after it, gets nothing: the
         // memory may be another allocation's from the moment it is freed.
@@ -799,7 +804,6 @@ mod tests {
         static C: Broker = Broker::new();
         let c = &C;
         let (a, p) = exported();
-        let a = &*Box::leak(Box::new(a));
         let (tx, rx) = std::sync::mpsc::channel();
         let start = |l: UnixListener| {
             tx.send(l.try_clone().unwrap()).unwrap();
@@ -827,14 +831,7 @@ mod tests {
         static B: Broker = Broker::new();
         let b = &B;
         b.set_patience(Duration::from_secs(20));
-        let (a, p) = exported();
-        let a = &*Box::leak(Box::new(a));
-        let start = |l: UnixListener| {
-            std::thread::spawn(move || b.serve(l, |p, _| a.export(p).map_err(|e| e.to_string())));
-            Ok(())
-        };
-        let raw = b.handle(p, 0, || a.export(p).map_err(|e| e.to_string()), start).unwrap();
-        let h = Handle::decode(&raw).unwrap();
+        let (_, _, h) = serving(b);
         let name = address_name(h.pid, &h.broker);
         let idle = |n: usize| -> Vec<UnixStream> {
             (0..n).map(|_| connect(&name, Instant::now() + PATIENCE).unwrap()).collect()
