@@ -10,13 +10,17 @@ allocation. ::
     y = moonbright.ipc.recv_tensor(b)   # in the other process: a tensor over x's memory
 
 The rules are those of CUDA's own IPC (``cudaIpcGetMemHandle``): the sender keeps the
-allocation (the tensor) alive until every receiver is done with it, since MoonBright would
-otherwise reuse its memory; and writes on one side are seen on the other once the writer's
-stream work has completed (order it with your own synchronisation). A received tensor unmaps
-its memory when it is garbage collected, after waiting for its device's work to complete.
+allocation (the tensor) alive until every receiver is done with it (once it is freed, what
+receivers write there is seen by nobody: exported memory goes back to the driver, never to
+another allocation); and writes on one side are seen on the other once the writer's stream
+work has completed (order it with your own synchronisation). A received tensor unmaps its
+memory when it is garbage collected, after waiting for its device's work to complete.
 
 The memory must be MoonBright's: a tensor from PyTorch's own allocator raises RuntimeError
-(send it with ``torch.multiprocessing`` instead). Option ``ipc:false`` turns sharing off.
+(send it with ``torch.multiprocessing`` instead). Only the allocation's own memory is shared:
+an allocation below a page (2 MiB on CUDA), or carved from other memory, shares its page with
+other allocations and raises RuntimeError. Option ``ipc:false`` turns sharing off. What a
+receiver trusts, and what it can reach: docs/security.md.
 
 ``multiprocessing`` carries the same through its own pickling: a :class:`Shareable` (any
 allocation) arrives as an :class:`Imported`, and once :func:`enable_torch_multiprocessing` has

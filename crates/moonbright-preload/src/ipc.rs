@@ -9,11 +9,13 @@
 //! pid, a random name of its broker, and a random token for the allocation. The broker is a
 //! thread of the exporting process, started at its first export, listening on an abstract Unix
 //! socket; it serves only processes of the same user (`SO_PEERCRED`) that present a token it
-//! gave out, and it forgets an allocation's token when the allocation is freed, as the
+//! gave out, and it forgets an allocation's token before the allocation is freed, as the
 //! runtime's handle of freed memory is void. `cudaIpcOpenMemHandle` in the importer (which runs
-//! the interposer too: `LD_PRELOAD` is inherited) connects, receives the descriptors and maps
-//! them with `Allocator::import`; opening a handle it has open already returns the same address
-//! and counts, and `cudaIpcCloseMemHandle` unmaps at the last close.
+//! the interposer too: `LD_PRELOAD` is inherited) connects, checks that the socket is served by
+//! the handle's process of its own user (`SO_PEERCRED`) before it sends the token, receives the
+//! descriptors and maps them with `Allocator::import`, all by one deadline; opening a handle it
+//! has open already returns the same address and counts, and `cudaIpcCloseMemHandle` unmaps at
+//! the last close. The trust model: docs/security.md.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsFd;

@@ -10,9 +10,11 @@
 //! socket (a process cannot open another's), which is what `send` and `recv` do.
 //!
 //! Lifetimes follow `cudaIpcGetMemHandle`: the exporter keeps the allocation live until every
-//! importer has closed it (its memory would otherwise be reused under them), and an importer
+//! importer has closed it (once it is freed, importers' writes reach nobody), and an importer
 //! closes only once its own work on the memory has completed (the unmap is immediate). The
-//! physical memory itself lives until both sides have let go, as the driver counts references.
+//! physical memory itself lives until both sides have let go, as the driver counts references;
+//! the exporter never hands exported memory to another allocation (`Heap::shared_chunks`).
+//! What each side trusts: docs/security.md.
 
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut};
