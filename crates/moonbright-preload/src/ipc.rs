@@ -403,8 +403,8 @@ impl Broker {
     /// Decides at once, without reading, whether a connection is served: not if its peer is
     /// another user (`REFUSED`), nor while `MAX_CONNECTIONS` are being served (`BUSY`).
     fn admit(&self, stream: UnixStream) -> Option<UnixStream> {
-        let answer = match rustix::net::sockopt::socket_peercred(stream.as_fd()) {
-            Ok(peer) if peer.uid != rustix::process::geteuid() => REFUSED,
+        let answer = match peer_credentials(&stream) {
+            Ok(peer) if peer.uid != rustix::process::geteuid().as_raw() => REFUSED,
             Ok(_) if self.connections.load(Ordering::SeqCst) >= MAX_CONNECTIONS => BUSY,
             Ok(_) => return Some(stream),
             Err(_) => return None,
@@ -533,6 +533,41 @@ fn listener_gone(e: &std::io::Error) -> bool {
     )
 }
 
+/// A connected Unix socket's peer, as `SO_PEERCRED` gives it: its pid (0 if not visible from
+/// this process's pid namespace) and user.
+#[derive(Clone, Copy, Debug)]
+struct Peer {
+    pid: u32,
+    uid: u32,
+}
+
+/// The credentials of `stream`'s peer: the process that connected (on the broker's side), or
+/// that called `listen` (on the importer's). Read with `getsockopt` into `libc::ucred`, whose
+/// pid may be 0, which a `rustix` `Pid` cannot hold.
+fn peer_credentials(stream: &UnixStream) -> std::io::Result<Peer> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live locals of the sizes given; the descriptor is the
+    // stream's, open for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(std::io::Error::other("SO_PEERCRED gave a short answer"));
+    }
+    Ok(Peer { pid: u32::try_from(cred.pid).unwrap_or(0), uid: cred.uid })
+}
+
 /// Why an open failed: the export could not be fetched (the exporter is gone, freed it, is
 /// another user's, or did not answer in time), or it could not be mapped here.
 #[derive(Debug)]
@@ -629,17 +664,15 @@ fn fetch(h: &Handle, patience: Duration) -> Result<Export, Fetch> {
     };
     let stream =
         connect(&address_name(h.pid, &h.broker), deadline).map_err(|e| gone("cannot reach", &e))?;
-    let peer = rustix::net::sockopt::socket_peercred(stream.as_fd())
-        .map_err(|e| gone("cannot tell who serves", &e))?;
-    let (uid, pid) = (rustix::process::geteuid(), peer.pid.as_raw_nonzero().get() as u32);
-    if peer.uid != uid || pid != h.pid {
+    let peer = peer_credentials(&stream).map_err(|e| gone("cannot tell who serves", &e))?;
+    let uid = rustix::process::geteuid().as_raw();
+    // A pid of 0: a process this one cannot see (another pid namespace), never the exporter.
+    if peer.uid != uid || peer.pid != h.pid || peer.pid == 0 {
         return Err(Fetch::Unreachable(format!(
-            "the handle's socket is served by process {pid} of user {}, not by the exporting \
-             process {} of user {} (a stale handle whose name another process took?): its \
+            "the handle's socket is served by process {} of user {}, not by the exporting \
+             process {} of user {uid} (a stale handle whose name another process took?): its \
              token was not sent",
-            peer.uid.as_raw(),
-            h.pid,
-            uid.as_raw()
+            peer.pid, peer.uid, h.pid
         )));
     }
     send_all(&stream, &h.token, deadline).map_err(|e| gone("cannot ask", &e))?;
