@@ -433,3 +433,51 @@ fn a_broker_whose_queue_is_full_times_the_connect_out() {
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert!(m.unwrap().contains("timed out"));
 }
+
+/// The environment variable that makes `other_users_importer` the child: a handle, in hex.
+const INTRUDER: &str = "MOONBRIGHT_PRELOAD_IPC_TEST_INTRUDER";
+
+/// The child of `another_users_importer_is_refused_by_the_broker`, running as another user:
+/// connects to the handle's broker as a raw client (no check of its own), sends the token, and
+/// prints the broker's answer byte.
+#[test]
+fn other_users_importer() {
+    let Ok(hex) = std::env::var(INTRUDER) else { return };
+    let mut raw = IpcMemHandle { reserved: [0; 64] };
+    for (i, b) in raw.reserved.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let h = Handle::decode(&raw).unwrap();
+    let mut s = UnixStream::connect_addr(&broker_address(h.pid, h.broker)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(&h.token);
+    let mut answer = [0xffu8; 1];
+    let _ = s.read_exact(&mut answer);
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    println!("answer {} then {} bytes", answer[0], rest.len());
+}
+
+#[test]
+fn another_users_importer_is_refused_by_the_broker() {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: playing another user needs root (CI runs as root)");
+        return;
+    }
+    let ex = leaked(host_options);
+    let (_, p) = malloc(ex, 2 * MIB, None);
+    let (_, h) = handle(ex, p);
+    let hex: String = h.reserved.iter().map(|b| format!("{b:02x}")).collect();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "other_users_importer", "--nocapture", "--test-threads", "1"])
+        .env(INTRUDER, hex)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("answer 1 then 0 bytes"), "not refused: {text}");
+    assert_eq!(ex.free(p as *mut c_void, None), code::SUCCESS);
+}
