@@ -479,17 +479,24 @@ impl Heap {
             let id = match live.backing {
                 Backing::Range(id) => id,
                 Backing::Sub { arena, .. } => {
-                    let what = if self.range(arena).use_ == Use::Arena {
-                        "a block below a page, carved from a page"
+                    let (what, remedy) = if self.range(arena).use_ == Use::Arena {
+                        (
+                            "a block below a page, carved from a page",
+                            format!("allocate what you share with {} bytes or more", self.lim.page),
+                        )
                     } else {
-                        "a block carved from a run of cached chunks (option `carve`)"
+                        (
+                            "a block carved from a run of cached chunks (option `carve`)",
+                            "set options `carve` and `carve_repeated` to 0 in a process that \
+                             shares what it allocates"
+                                .to_string(),
+                        )
                     };
                     return Err(Error::Ipc(format!(
                         "{ptr:#x} ({} bytes) is {what} that other allocations share: an \
-                         importer would reach their memory, so it is not exported. Export only \
-                         allocations with chunks of their own: {} bytes or more, with option \
-                         `carve` at 0",
-                        live.size, self.lim.page
+                         importer would reach their memory, so it is not exported; {remedy} \
+                         (docs/security.md)",
+                        live.size
                     )));
                 }
             };
