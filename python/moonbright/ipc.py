@@ -10,13 +10,17 @@ allocation. ::
     y = moonbright.ipc.recv_tensor(b)   # in the other process: a tensor over x's memory
 
 The rules are those of CUDA's own IPC (``cudaIpcGetMemHandle``): the sender keeps the
-allocation (the tensor) alive until every receiver is done with it, since MoonBright would
-otherwise reuse its memory; and writes on one side are seen on the other once the writer's
-stream work has completed (order it with your own synchronisation). A received tensor unmaps
-its memory when it is garbage collected, after waiting for its device's work to complete.
+allocation (the tensor) alive until every receiver is done with it (once it is freed, what
+receivers write there is seen by nobody: exported memory goes back to the driver, never to
+another allocation); and writes on one side are seen on the other once the writer's stream
+work has completed (order it with your own synchronisation). A received tensor unmaps its
+memory when it is garbage collected, after waiting for its device's work to complete.
 
 The memory must be MoonBright's: a tensor from PyTorch's own allocator raises RuntimeError
-(send it with ``torch.multiprocessing`` instead). Option ``ipc:false`` turns sharing off.
+(send it with ``torch.multiprocessing`` instead). Only the allocation's own memory is shared:
+an allocation below a page (2 MiB on CUDA), or carved from other memory, shares its page with
+other allocations and raises RuntimeError. Option ``ipc:false`` turns sharing off. What a
+receiver trusts, and what it can reach: docs/security.md.
 
 ``multiprocessing`` carries the same through its own pickling: a :class:`Shareable` (any
 allocation) arrives as an :class:`Imported`, and once :func:`enable_torch_multiprocessing` has
@@ -108,16 +112,69 @@ class Imported:
 
 def recv(sock: socket.socket, device: int | None = None) -> Imported:
     """Receives an allocation :func:`send` sent, and maps it on ``device`` (``None``: the
-    current one)."""
+    current one).
+
+    Trust: the socket is yours, and whoever holds its other end decides what arrives. The
+    message is checked for form (sizes, counts, at most as many descriptors as it announces,
+    every one closed on any error), not for origin: what is mapped is whatever memory the
+    sender's descriptors name, which the sender can read and write. Receive only from a peer
+    you trust with that memory (check it, e.g. with ``SO_PEERCRED``, on a socket others can
+    reach). See docs/security.md."""
     ptr, size = _moonbright.ipc_recv(sock.fileno(), device)
     return Imported(ptr, size, device)
 
 
 _HEADER = struct.Struct("<I")
 
+# The most bytes a tensor's description (JSON) may take: a few hundred in practice; the
+# length on the wire is a 32-bit count, which a broken or hostile peer could set to 4 GiB.
+_MAX_META = 1 << 20
+
+# The fields a description must have, and their types.
+_META_FIELDS = {"dtype": str, "shape": list, "stride": list, "offset": int, "nbytes": int}
+
 
 def _send_all(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_meta(sock: socket.socket) -> dict[str, Any]:
+    """A tensor's description, as ``send_tensor`` sent it after the memory: its length (at
+    most ``_MAX_META``), then that much JSON, checked field by field."""
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if n > _MAX_META:
+        raise ValueError(f"a tensor's description of {n} bytes is too large (at most {_MAX_META})")
+    meta = json.loads(_recv_exact(sock, n))
+    return _checked_meta(meta)
+
+
+def _checked_meta(meta: Any) -> dict[str, Any]:
+    """``meta`` if it describes a tensor view (see ``_tensor_meta``), else ValueError."""
+    if not isinstance(meta, dict):
+        raise ValueError("a tensor's description must be a JSON object")
+    for key, kind in _META_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"a tensor's description has no valid {key!r}: {value!r}")
+    for key in ("shape", "stride"):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in meta[key]):
+            raise ValueError(f"a tensor's {key} must be a list of integers: {meta[key]!r}")
+    if len(meta["shape"]) != len(meta["stride"]):
+        raise ValueError("a tensor's shape and stride differ in length")
+    if meta["offset"] < 0 or meta["nbytes"] < 0 or any(v < 0 for v in meta["shape"]):
+        raise ValueError("a tensor's offset, size and shape cannot be negative")
+    return meta
+
+
+def _dtype(name: Any) -> Any:
+    """The ``torch.dtype`` called ``name`` (as ``str(dtype)`` less ``torch.``): only a dtype,
+    never another attribute of ``torch``."""
+    import torch
+
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return value
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -147,8 +204,7 @@ def recv_tensor(sock: socket.socket, device: int | None = None) -> Any:
         device = torch.cuda.current_device()
     imported = recv(sock, device)
     try:
-        (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-        meta = json.loads(_recv_exact(sock, n))
+        meta = _recv_meta(sock)
     except BaseException:
         imported.close()
         raise
@@ -173,7 +229,8 @@ def _tensor_over(imported: Imported, meta: dict[str, Any]) -> Any:
 
     device = imported.device
     try:
-        dtype = getattr(torch, meta["dtype"])
+        meta = _checked_meta(meta)
+        dtype = _dtype(meta["dtype"])
         imported.on_close = lambda: torch.cuda.synchronize(device)
         # The tensor holds `imported` until its storage is freed (PyTorch keeps a reference to
         # the object whose __cuda_array_interface__ it wraps).
@@ -214,8 +271,12 @@ def _dup_fd(fd: int) -> Any:
 
 
 def _import_from_pickle(data: bytes, dups: list[DupFd], device: int | None) -> Imported:
-    fds = [d.detach() for d in dups]
+    fds: list[int] = []
     try:
+        # Each detach() receives a descriptor (or takes one over): if one fails, those taken
+        # so far are closed below all the same.
+        for d in dups:
+            fds.append(d.detach())
         ptr, size = _moonbright.ipc_import(data, fds, device)
     finally:
         for fd in fds:

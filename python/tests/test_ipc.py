@@ -2,11 +2,14 @@
 in this process and in a child process (the host backend's memory is a memfd, which crosses
 processes as CUDA's file descriptors do); refusals; closing."""
 
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -170,3 +173,97 @@ def test_multiprocessing_carries_a_shareable_through_a_queue_and_a_processs_args
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"] * 4, r.stdout + r.stderr
+
+
+def test_an_allocation_that_shares_its_page_is_refused(lib):
+    """A block below a page shares its page with other allocations: exporting it would hand
+    the importer their memory (docs/security.md)."""
+    ps = [lib.moonbright_alloc(1000, 0, None) for _ in range(3)]
+    a, b = socket.socketpair()
+    with pytest.raises(RuntimeError, match="other allocations share"):
+        moonbright.ipc.send(a, ps[1])
+    with pytest.raises(RuntimeError, match="other allocations share"):
+        _moonbright.ipc_export(ps[1], None)
+    for p in ps:
+        lib.moonbright_free(p, 0, 0, None)
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """A stand-in for ``torch`` (not installed here) with one dtype and calls recorded: enough
+    for ``recv_tensor`` to get as far as its checks."""
+    torch = types.ModuleType("torch")
+
+    class dtype:
+        pass
+
+    torch.dtype = dtype
+    torch.uint8 = dtype()
+    torch.calls = []
+
+    def as_tensor(*args, **kwargs):
+        torch.calls.append("as_tensor")
+        raise RuntimeError("as_tensor called")
+
+    torch.as_tensor = as_tensor
+    torch.load = lambda *a, **k: torch.calls.append("load")
+    torch.cuda = types.SimpleNamespace(synchronize=lambda d=None: None, current_device=lambda: 0)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+def test_a_tensors_description_is_capped_before_it_is_read(lib, fake_torch):
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    a, b = socket.socketpair()
+    b.settimeout(5)
+    moonbright.ipc.send(a, p)
+    # A length of nearly 4 GiB: refused before any of it is read (or allocated).
+    a.sendall(struct.pack("<I", 0xFFFF_FFF0) + b"{}")
+    with pytest.raises(ValueError, match="too large"):
+        moonbright.ipc.recv_tensor(b, 0)
+    assert _moonbright.ipc_imports() == [], "the memory received is unmapped again"
+    lib.moonbright_free(p, 0, 0, None)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"dtype": "cuda"},
+        {"dtype": "load"},
+        {"dtype": "__class__"},
+        {"dtype": 3},
+        {"shape": "[1]"},
+        {"stride": [1, 2]},
+        {"offset": -1},
+        {"shape": [True]},
+    ],
+)
+def test_a_tensors_description_names_only_a_torch_dtype_and_integers(lib, fake_torch, meta):
+    p = lib.moonbright_alloc(PAGE, 0, None)
+    a, b = socket.socketpair()
+    moonbright.ipc.send(a, p)
+    good = {"dtype": "uint8", "shape": [PAGE], "stride": [1], "offset": 0, "nbytes": PAGE}
+    body = json.dumps({**good, **meta}).encode()
+    a.sendall(struct.pack("<I", len(body)) + body)
+    with pytest.raises(ValueError):
+        moonbright.ipc.recv_tensor(b, 0)
+    assert fake_torch.calls == [], "torch was used with a description that is not a tensor's"
+    assert _moonbright.ipc_imports() == []
+    lib.moonbright_free(p, 0, 0, None)
+
+
+def test_a_failed_detach_closes_the_descriptors_taken_so_far():
+    fd = os.open("/dev/null", os.O_RDONLY)
+
+    class Arrived:
+        def detach(self):
+            return fd
+
+    class Lost:
+        def detach(self):
+            raise OSError("the descriptor did not arrive")
+
+    with pytest.raises(OSError, match="did not arrive"):
+        moonbright.ipc._import_from_pickle(b"", [Arrived(), Lost()], None)
+    with pytest.raises(OSError):
+        os.fstat(fd)

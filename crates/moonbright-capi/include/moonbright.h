@@ -879,6 +879,14 @@ int mb_ipc_send(struct mb_allocator *alloc, uint64_t ptr, int socket_fd);
  * Returns `MB_ERR_IPC` for a malformed message, a closed socket, or an export from another
  * backend; `MB_ERR_DRIVER` when importing or mapping fails (nothing stays mapped).
  *
+ * Trust: the socket is the caller's, and whoever holds its other end decides what arrives.
+ * The message is checked for form (sizes, counts, no more descriptors than it announces,
+ * every one closed on error), not for origin: what is mapped is whatever memory the
+ * sender's descriptors name, which the sender can read and write. Receive only from a peer
+ * trusted with that memory (check it, e.g. with `SO_PEERCRED`, on a socket others can
+ * reach); see docs/security.md. A blocking socket's own receive time-out (`SO_RCVTIMEO`)
+ * holds; a non-blocking socket is waited on.
+ *
  * # Safety
  * `alloc` is NULL or a live handle from `mb_create`; a non-negative `socket_fd` is an open
  * descriptor; `out_ptr` and `out_size` are NULL or valid for a write.

@@ -9,20 +9,23 @@
 //! pid, a random name of its broker, and a random token for the allocation. The broker is a
 //! thread of the exporting process, started at its first export, listening on an abstract Unix
 //! socket; it serves only processes of the same user (`SO_PEERCRED`) that present a token it
-//! gave out, and it forgets an allocation's token when the allocation is freed, as the
+//! gave out, and it forgets an allocation's token before the allocation is freed, as the
 //! runtime's handle of freed memory is void. `cudaIpcOpenMemHandle` in the importer (which runs
-//! the interposer too: `LD_PRELOAD` is inherited) connects, receives the descriptors and maps
-//! them with `Allocator::import`; opening a handle it has open already returns the same address
-//! and counts, and `cudaIpcCloseMemHandle` unmaps at the last close.
+//! the interposer too: `LD_PRELOAD` is inherited) connects, checks that the socket is served by
+//! the handle's process of its own user (`SO_PEERCRED`) before it sends the token, receives the
+//! descriptors and maps them with `Allocator::import`, all by one deadline; opening a handle it
+//! has open already returns the same address and counts, and `cudaIpcCloseMemHandle` unmaps at
+//! the last close. The trust model: docs/security.md.
 
-use std::collections::BTreeMap;
-use std::io::Read;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use moonbright::ipc::Export;
 
@@ -77,18 +80,36 @@ impl Handle {
     }
 }
 
-/// The broker's answer before an export: sent, refused (another user), unknown token.
+/// The broker's answer before an export: sent, refused (another user), unknown token, busy
+/// (as many connections as it serves at once are open).
 const SENT: u8 = 0;
 const REFUSED: u8 = 1;
 const UNKNOWN: u8 = 2;
+const BUSY: u8 = 3;
 
-/// How long either side waits for the other's next bytes before giving up on a connection.
+/// How long a whole fetch may take, from the importer's connect to the last descriptor, unless
+/// set otherwise (`Broker::set_patience`); the broker gives each connection as long.
 const PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long the broker waits for a connection's token: an importer sends it as soon as it has
+/// connected, so a connection that sends nothing is let go long before `PATIENCE`.
+const TOKEN_PATIENCE: Duration = Duration::from_secs(1);
+
+/// Connections the broker serves at once, each on a thread of its own; more are answered
+/// `BUSY` and closed at once.
+const MAX_CONNECTIONS: usize = 8;
+
+/// The longest pause after a failed `accept` (out of descriptors, say), doubling from 1 ms.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The abstract socket name of broker `name` of process `pid`.
 fn address(pid: u32, name: &[u8; 8]) -> std::io::Result<SocketAddr> {
+    SocketAddr::from_abstract_name(address_name(pid, name))
+}
+
+fn address_name(pid: u32, name: &[u8; 8]) -> String {
     let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
-    SocketAddr::from_abstract_name(format!("moonbright-ipc.{pid}.{hex}"))
+    format!("moonbright-ipc.{pid}.{hex}")
 }
 
 fn random<const N: usize>() -> Result<[u8; N], String> {
@@ -135,36 +156,75 @@ struct Exports {
     by_token: BTreeMap<Token, (u64, i32)>,
 }
 
-/// What a process imported: by address, and by handle for a second open.
+/// What a process imported: by address, and by handle for a second open; and the handles
+/// being fetched now (a second open of one waits for the first).
 #[derive(Debug)]
 struct Imports {
     opened: BTreeMap<u64, Opened>,
     by_handle: BTreeMap<Key, u64>,
+    fetching: BTreeSet<Key>,
+}
+
+/// The token of a freed allocation, taken out before the free (`Broker::free`), to put back
+/// if the free fails.
+#[derive(Debug)]
+struct Forgotten {
+    ptr: u64,
+    token: Token,
+    device: i32,
 }
 
 /// The IPC handles of one interposer (a process has one; tests make several).
 ///
 /// The broker keeps no descriptor: it exports an allocation again for each importer (the CUDA
 /// backend keeps a chunk's first export, so a later one costs about 2 µs), under its lock. A
-/// free forgets the token under the same lock right after the allocator has freed the memory;
-/// an importer served between the two gets an error (the export fails). CUDA's contract, which
-/// the interposer keeps, is that the exporter keeps an allocation live while importers open it,
-/// and does not free it while asking for its handle.
+/// free takes the token out under the same lock *before* the allocator frees the memory
+/// (`Broker::free`): no importer is served the token once the memory may be another
+/// allocation's. CUDA's contract, which the interposer keeps, is that the exporter keeps an
+/// allocation live while importers open it, and does not free it while asking for its handle.
 ///
-/// Exports and imports have a lock each: an import holds its lock across a socket round trip
-/// and driver calls, and a free (which looks at the exports) must not wait for it.
+/// Exports and imports have a lock each, and neither is held across a socket round trip: an
+/// open marks its handle as being fetched and lets the lock go meanwhile. Every step on a
+/// socket has a deadline (`set_patience`, 10 s by default).
 #[derive(Debug)]
 pub struct Broker {
     exports: Mutex<Exports>,
     imports: Mutex<Imports>,
+    /// Signalled when a fetch ends (`Imports::fetching`).
+    fetched: Condvar,
     /// Whether anything was ever exported: until then a free needs no look at the exports. Set
     /// under their lock before an export is checked, so a free that follows that check sees it.
     exported_ever: AtomicBool,
+    /// Whether the listener's thread is serving: cleared when it stops (its loop ends, or it
+    /// panics), after which no handle is issued.
+    serving: AtomicBool,
+    /// Connections being served now.
+    connections: AtomicUsize,
+    /// The deadline of each fetch and connection, in milliseconds (`set_patience`).
+    patience_ms: AtomicU64,
 }
 
 impl Default for Broker {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Clears `Broker::serving` when the listener's thread leaves `serve`, however it leaves.
+struct Stopped<'a>(&'a AtomicBool);
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Counts a connection served, until dropped.
+struct Serving<'a>(&'a AtomicUsize);
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -176,15 +236,35 @@ impl Broker {
                 tokens: BTreeMap::new(),
                 by_token: BTreeMap::new(),
             }),
-            imports: Mutex::new(Imports { opened: BTreeMap::new(), by_handle: BTreeMap::new() }),
+            imports: Mutex::new(Imports {
+                opened: BTreeMap::new(),
+                by_handle: BTreeMap::new(),
+                fetching: BTreeSet::new(),
+            }),
+            fetched: Condvar::new(),
             exported_ever: AtomicBool::new(false),
+            serving: AtomicBool::new(false),
+            connections: AtomicUsize::new(0),
+            patience_ms: AtomicU64::new(PATIENCE.as_millis() as u64),
         }
+    }
+
+    /// How long a fetch (connect, token, answer, export) may take in all before it fails, and
+    /// how long the broker gives each connection: 10 s unless set.
+    pub fn set_patience(&self, patience: Duration) {
+        let ms = u64::try_from(patience.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.patience_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn patience(&self) -> Duration {
+        Duration::from_millis(self.patience_ms.load(Ordering::Relaxed))
     }
 
     /// The handle of the allocation at `ptr` on `device`: the one given before if it was
     /// exported already, else a new token, once `check` has exported it (and so made sure it
     /// can be). The first handle of the process starts its broker: `start` runs the listener
-    /// on a thread of its own (calling [`Broker::serve`]).
+    /// on a thread of its own (calling [`Broker::serve`]). Once that thread has stopped, no
+    /// handle is issued: an importer could not be served.
     pub fn handle(
         &self,
         ptr: u64,
@@ -201,27 +281,59 @@ impl Broker {
             books.tokens.clear();
             books.by_token.clear();
         }
+        if books.listening.is_some() && !self.serving.load(Ordering::SeqCst) {
+            return Err("this process's IPC broker has stopped serving importers: no handle \
+                        is issued (see stderr or the report for why)"
+                .into());
+        }
         if let Some(&t) = books.tokens.get(&ptr) {
             let name = books.listening.as_ref().expect("a token has its broker").name;
             return Ok(Handle { pid, device, broker: name, token: t }.encode());
         }
         drop(check()?);
-        let name = listen(&mut books, start)?;
+        let name = self.listen(&mut books, start)?;
         let token = random::<16>()?;
         books.tokens.insert(ptr, token);
         books.by_token.insert(token, (ptr, device));
         Ok(Handle { pid, device, broker: name, token }.encode())
     }
 
-    /// Forgets the export of `ptr`, if any, once its allocation is freed: the handle is void.
-    /// Importers keep what they mapped.
-    pub fn forget(&self, ptr: u64) {
+    /// Frees the allocation at `ptr` with `free`, having first forgotten its export, if any:
+    /// its handle is void from then on, and no importer is served it once the memory may be
+    /// another allocation's. If the free fails the export is remembered again. Importers keep
+    /// what they mapped.
+    pub fn free<E>(&self, ptr: u64, free: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        let forgotten = self.forget(ptr);
+        let r = free();
+        if r.is_err() {
+            if let Some(f) = forgotten {
+                self.remember(f);
+            }
+        }
+        r
+    }
+
+    /// Takes out the export of `ptr`, if any. Under the exports' lock, which the broker holds
+    /// while it looks a token up and exports its allocation: an export in progress completes
+    /// first.
+    fn forget(&self, ptr: u64) -> Option<Forgotten> {
         if !self.exported_ever.load(Ordering::SeqCst) {
-            return;
+            return None;
         }
         let mut b = locked(&self.exports);
-        if let Some(t) = b.tokens.remove(&ptr) {
-            b.by_token.remove(&t);
+        let token = b.tokens.remove(&ptr)?;
+        let (_, device) = b.by_token.remove(&token)?;
+        Some(Forgotten { ptr, token, device })
+    }
+
+    /// Puts back what `forget` took out (the free failed: the allocation is still live).
+    fn remember(&self, f: Forgotten) {
+        let mut b = locked(&self.exports);
+        if b.listening.as_ref().is_some_and(|l| l.pid == std::process::id())
+            && !b.tokens.contains_key(&f.ptr)
+        {
+            b.tokens.insert(f.ptr, f.token);
+            b.by_token.insert(f.token, (f.ptr, f.device));
         }
     }
 
@@ -230,48 +342,107 @@ impl Broker {
         locked(&self.exports).tokens.len()
     }
 
-    /// The listener's loop: one connection at a time (each is a lookup, an export and a send);
-    /// `export` exports the allocation at an address on a device.
+    /// The listener's loop: each connection on a thread of its own (a lookup, an export and a
+    /// send), up to `MAX_CONNECTIONS` at once; `export` exports the allocation at an address
+    /// on a device. Returns only when the listener can no longer accept, after which no
+    /// handle is issued (`handle`).
     pub fn serve(
         &self,
         listener: UnixListener,
-        export: impl Fn(u64, i32) -> Result<Export, String>,
+        export: impl Fn(u64, i32) -> Result<Export, String> + Sync,
     ) {
-        for conn in listener.incoming() {
-            let Ok(stream) = conn else { continue };
-            let _ = self.serve_one(stream, &export);
-        }
+        self.serve_with(|| listener.accept().map(|(s, _)| s), export);
+    }
+
+    /// `serve`, with connections from `accept`. A failed accept pauses the loop, from 1 ms to
+    /// `MAX_BACKOFF`, doubling while it keeps failing (out of descriptors, a failing accept
+    /// would otherwise spin); one that can never succeed (the listener is gone) ends it.
+    fn serve_with(
+        &self,
+        mut accept: impl FnMut() -> std::io::Result<UnixStream>,
+        export: impl Fn(u64, i32) -> Result<Export, String> + Sync,
+    ) {
+        let _stopped = Stopped(&self.serving);
+        let export = &export;
+        let mut backoff = Duration::ZERO;
+        std::thread::scope(|scope| loop {
+            let stream = match accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if listener_gone(&e) => {
+                    eprintln!("moonbright: the IPC broker stops: its listener failed: {e}");
+                    return;
+                }
+                Err(_) => {
+                    backoff = (backoff * 2).clamp(Duration::from_millis(1), MAX_BACKOFF);
+                    std::thread::sleep(backoff);
+                    continue;
+                }
+            };
+            backoff = Duration::ZERO;
+            let Some(stream) = self.admit(stream) else { continue };
+            self.connections.fetch_add(1, Ordering::SeqCst);
+            let conn = Serving(&self.connections);
+            let served = std::thread::Builder::new()
+                .name("moonbright-ipc-conn".into())
+                .spawn_scoped(scope, move || {
+                    let _conn = conn;
+                    // A panic ends this connection only.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.serve_one(stream, export)
+                    }));
+                });
+            if served.is_err() {
+                // No thread to be had (the count went back with the closure): the importer
+                // sees the connection close.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    }
+
+    /// Decides at once, without reading, whether a connection is served: not if its peer is
+    /// another user (`REFUSED`), nor while `MAX_CONNECTIONS` are being served (`BUSY`).
+    fn admit(&self, stream: UnixStream) -> Option<UnixStream> {
+        let answer = match peer_credentials(&stream) {
+            Ok(peer) if peer.uid != rustix::process::geteuid().as_raw() => REFUSED,
+            Ok(_) if self.connections.load(Ordering::SeqCst) >= MAX_CONNECTIONS => BUSY,
+            Ok(_) => return Some(stream),
+            Err(_) => return None,
+        };
+        let _ = rustix::net::send(
+            &stream,
+            &[answer],
+            rustix::net::SendFlags::NOSIGNAL | rustix::net::SendFlags::DONTWAIT,
+        );
+        None
     }
 
     fn serve_one(
         &self,
-        mut stream: UnixStream,
+        stream: UnixStream,
         export: &impl Fn(u64, i32) -> Result<Export, String>,
-    ) -> std::io::Result<()> {
-        stream.set_read_timeout(Some(PATIENCE))?;
-        stream.set_write_timeout(Some(PATIENCE))?;
-        let peer = rustix::net::sockopt::socket_peercred(stream.as_fd())?;
-        if peer.uid != rustix::process::geteuid() {
-            return send_all(&stream, &[REFUSED]);
-        }
+    ) -> Result<(), String> {
+        let now = Instant::now();
+        let deadline = now + self.patience();
         let mut token = [0u8; 16];
-        stream.read_exact(&mut token)?;
+        recv_all(&stream, &mut token, deadline.min(now + TOKEN_PATIENCE))?;
         let found = {
             let books = locked(&self.exports);
             books.by_token.get(&token).map(|&(p, d)| export(p, d))
         };
         match found {
             Some(Ok(e)) => {
-                send_all(&stream, &[SENT])?;
-                e.send(&stream).map_err(std::io::Error::other)
+                send_all(&stream, &[SENT], deadline)?;
+                e.send_by(&stream, Some(deadline)).map_err(|e| e.to_string())
             }
-            Some(Err(_)) | None => send_all(&stream, &[UNKNOWN]),
+            Some(Err(_)) | None => send_all(&stream, &[UNKNOWN], deadline),
         }
     }
 
     /// Opens `h` on `device`: the address it has if this process has it open already (one more
-    /// open), else the export fetched from its broker, mapped by `import`. The lock is held
-    /// throughout, so a second open of the same handle waits for the first.
+    /// open), else the export fetched from its broker, mapped by `import`. No lock is held
+    /// while it fetches: a second open of the same handle waits for the first (no longer than
+    /// its deadline), and closes of other imports do not wait at all.
     pub fn open(
         &self,
         h: &Handle,
@@ -280,15 +451,26 @@ impl Broker {
     ) -> Result<u64, Fetch> {
         let key = (h.pid, h.broker, h.token);
         let mut books = locked(&self.imports);
-        if let Some(&ptr) = books.by_handle.get(&key) {
-            let o = books.opened.get_mut(&ptr).expect("an open import has its entry");
-            if o.device == device {
-                o.count += 1;
-                return Ok(ptr);
+        loop {
+            if let Some(&ptr) = books.by_handle.get(&key) {
+                let o = books.opened.get_mut(&ptr).expect("an open import has its entry");
+                if o.device == device {
+                    o.count += 1;
+                    return Ok(ptr);
+                }
             }
+            if books.fetching.insert(key) {
+                break;
+            }
+            books = self.fetched.wait(books).unwrap_or_else(|e| e.into_inner());
         }
-        let export = fetch(h)?;
-        let ptr = import(&export).map_err(Fetch::Import)?;
+        drop(books);
+        let fetched = fetch(h, self.patience());
+        let mapped = fetched.and_then(|e| import(&e).map_err(Fetch::Import));
+        let mut books = locked(&self.imports);
+        books.fetching.remove(&key);
+        self.fetched.notify_all();
+        let ptr = mapped?;
         books.by_handle.insert(key, ptr);
         books.opened.insert(ptr, Opened { device, key, count: 1 });
         Ok(ptr)
@@ -317,62 +499,193 @@ impl Broker {
         }
         Some(Ok(()))
     }
-}
 
-/// The name of this process's broker, started by `start` if it is not running yet.
-fn listen(
-    books: &mut Exports,
-    start: impl FnOnce(UnixListener) -> std::io::Result<()>,
-) -> Result<[u8; 8], String> {
-    if let Some(l) = &books.listening {
-        return Ok(l.name);
+    /// The name of this process's broker, started by `start` if it is not running yet.
+    fn listen(
+        &self,
+        books: &mut Exports,
+        start: impl FnOnce(UnixListener) -> std::io::Result<()>,
+    ) -> Result<[u8; 8], String> {
+        if let Some(l) = &books.listening {
+            return Ok(l.name);
+        }
+        let pid = std::process::id();
+        let name = random::<8>()?;
+        let addr = address(pid, &name).map_err(|e| format!("the broker's socket name: {e}"))?;
+        let listener = UnixListener::bind_addr(&addr)
+            .map_err(|e| format!("cannot listen for importers: {e}"))?;
+        self.serving.store(true, Ordering::SeqCst);
+        if let Err(e) = start(listener) {
+            self.serving.store(false, Ordering::SeqCst);
+            return Err(format!("cannot start the broker's thread: {e}"));
+        }
+        books.listening = Some(Listening { pid, name });
+        Ok(name)
     }
-    let pid = std::process::id();
-    let name = random::<8>()?;
-    let addr = address(pid, &name).map_err(|e| format!("the broker's socket name: {e}"))?;
-    let listener =
-        UnixListener::bind_addr(&addr).map_err(|e| format!("cannot listen for importers: {e}"))?;
-    start(listener).map_err(|e| format!("cannot start the broker's thread: {e}"))?;
-    books.listening = Some(Listening { pid, name });
-    Ok(name)
 }
 
-/// Why an open failed: the export could not be fetched (the exporter is gone, freed it, or is
-/// another user's), or it could not be mapped here.
+/// Whether a failed `accept` says the listener itself can no longer serve (as opposed to a
+/// lack of descriptors or memory, or a connection that went away, which pass).
+fn listener_gone(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP | libc::EFAULT)
+    )
+}
+
+/// A connected Unix socket's peer, as `SO_PEERCRED` gives it: its pid (0 if not visible from
+/// this process's pid namespace) and user.
+#[derive(Clone, Copy, Debug)]
+struct Peer {
+    pid: u32,
+    uid: u32,
+}
+
+/// The credentials of `stream`'s peer: the process that connected (on the broker's side), or
+/// that called `listen` (on the importer's). Read with `getsockopt` into `libc::ucred`, whose
+/// pid may be 0, which a `rustix` `Pid` cannot hold.
+fn peer_credentials(stream: &UnixStream) -> std::io::Result<Peer> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live locals of the sizes given; the descriptor is the
+    // stream's, open for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(std::io::Error::other("SO_PEERCRED gave a short answer"));
+    }
+    Ok(Peer { pid: u32::try_from(cred.pid).unwrap_or(0), uid: cred.uid })
+}
+
+/// Why an open failed: the export could not be fetched (the exporter is gone, freed it, is
+/// another user's, or did not answer in time), or it could not be mapped here.
 #[derive(Debug)]
 pub enum Fetch {
     Unreachable(String),
     Import(String),
 }
 
-/// Writes all of `bytes`, without the `SIGPIPE` a write to a closed socket raises (a C program
-/// has not ignored it, as Rust's and Python's runtimes have).
-fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
+/// Waits until `fd` is ready for `ready`, or fails at `deadline`.
+fn wait(fd: impl AsFd, ready: PollFlags, deadline: Instant) -> Result<(), String> {
+    let mut fds = [PollFd::new(&fd, ready)];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("timed out".into());
+        }
+        let t = Timespec::try_from(left).map_err(|e| e.to_string())?;
+        match poll(&mut fds, Some(&t)) {
+            Ok(0) => {}
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(format!("waiting for the socket: {e}")),
+        }
+    }
+}
+
+/// Writes all of `bytes` by `deadline`, without the `SIGPIPE` a write to a closed socket
+/// raises (a C program has not ignored it, as Rust's and Python's runtimes have).
+fn send_all(stream: &UnixStream, mut bytes: &[u8], deadline: Instant) -> Result<(), String> {
+    use rustix::net::SendFlags;
     while !bytes.is_empty() {
-        match rustix::net::send(stream, bytes, rustix::net::SendFlags::NOSIGNAL) {
+        match rustix::net::send(stream, bytes, SendFlags::NOSIGNAL | SendFlags::DONTWAIT) {
             Ok(n) => bytes = &bytes[n..],
             Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
+            Err(rustix::io::Errno::AGAIN) => wait(stream, PollFlags::OUT, deadline)?,
+            Err(e) => return Err(e.to_string()),
         }
     }
     Ok(())
 }
 
-/// Fetches the export `h` names from its broker.
-fn fetch(h: &Handle) -> Result<Export, Fetch> {
+/// Fills `buf` by `deadline`.
+fn recv_all(stream: &UnixStream, buf: &mut [u8], deadline: Instant) -> Result<(), String> {
+    use rustix::net::RecvFlags;
+    let mut got = 0;
+    while got < buf.len() {
+        match rustix::net::recv(stream, &mut buf[got..], RecvFlags::DONTWAIT) {
+            Ok((_, 0)) => return Err("the socket was closed".into()),
+            Ok((_, n)) => got += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => wait(stream, PollFlags::IN, deadline)?,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
+}
+
+/// Connects to the abstract socket `name` by `deadline`. A Unix socket's connect does not
+/// complete later: while the listener's queue is full it fails with `EAGAIN`, and is tried
+/// again every few milliseconds.
+fn connect(name: &str, deadline: Instant) -> Result<UnixStream, String> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).map_err(|e| e.to_string())?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| e.to_string())?;
+    loop {
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => return Ok(UnixStream::from(fd)),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => {
+                if Instant::now() >= deadline {
+                    return Err("timed out: its queue of connections stayed full".into());
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Fetches the export `h` names from its broker, within `patience` in all. The broker must be
+/// the process the handle names, of this process's user (`SO_PEERCRED`): abstract socket
+/// names are anyone's to take once their process has exited, and the token is not sent to
+/// whoever holds one now.
+fn fetch(h: &Handle, patience: Duration) -> Result<Export, Fetch> {
+    let deadline = Instant::now() + patience;
     let gone = |what: &str, e: &dyn std::fmt::Display| {
         Fetch::Unreachable(format!("{what} the exporting process {} (has it exited?): {e}", h.pid))
     };
-    let addr = address(h.pid, &h.broker).map_err(|e| gone("cannot name", &e))?;
-    let mut stream = UnixStream::connect_addr(&addr).map_err(|e| gone("cannot reach", &e))?;
-    stream.set_read_timeout(Some(PATIENCE)).map_err(|e| gone("cannot wait for", &e))?;
-    send_all(&stream, &h.token).map_err(|e| gone("cannot ask", &e))?;
+    let stream =
+        connect(&address_name(h.pid, &h.broker), deadline).map_err(|e| gone("cannot reach", &e))?;
+    let peer = peer_credentials(&stream).map_err(|e| gone("cannot tell who serves", &e))?;
+    let uid = rustix::process::geteuid().as_raw();
+    // A pid of 0: a process this one cannot see (another pid namespace), never the exporter.
+    if peer.uid != uid || peer.pid != h.pid || peer.pid == 0 {
+        return Err(Fetch::Unreachable(format!(
+            "the handle's socket is served by process {} of user {}, not by the exporting \
+             process {} of user {uid} (a stale handle whose name another process took?): its \
+             token was not sent",
+            peer.pid, peer.uid, h.pid
+        )));
+    }
+    send_all(&stream, &h.token, deadline).map_err(|e| gone("cannot ask", &e))?;
     let mut status = [0u8; 1];
-    stream.read_exact(&mut status).map_err(|e| gone("no answer from", &e))?;
+    recv_all(&stream, &mut status, deadline).map_err(|e| gone("no answer from", &e))?;
     match status[0] {
-        SENT => Export::recv(&stream).map_err(|e| gone("a bad export from", &e)),
+        SENT => Export::recv_by(&stream, Some(deadline)).map_err(|e| gone("a bad export from", &e)),
         REFUSED => Err(Fetch::Unreachable(format!(
             "process {} serves its memory only to its own user",
+            h.pid
+        ))),
+        BUSY => Err(Fetch::Unreachable(format!(
+            "process {} is serving as many importers as it can at once; try again",
             h.pid
         ))),
         _ => Err(Fetch::Unreachable(format!(
@@ -412,14 +725,14 @@ mod tests {
         assert_eq!(b.handle(0x1000, 0, || Err("no".into()), start), Err("no".to_string()));
         assert_eq!(b.exported(), 0);
         assert!(locked(&b.exports).listening.is_none());
-        let name = listen(&mut locked(&b.exports), start).unwrap();
+        let name = b.listen(&mut locked(&b.exports), start).unwrap();
         let h = Handle { pid: std::process::id(), device: 0, broker: name, token: [7; 16] };
-        match fetch(&h) {
+        match fetch(&h, PATIENCE) {
             Err(Fetch::Unreachable(m)) => assert!(m.contains("no such export"), "{m}"),
             other => panic!("{other:?}"),
         }
         let h = Handle { broker: [0xee; 8], ..h };
-        match fetch(&h) {
+        match fetch(&h, PATIENCE) {
             Err(Fetch::Unreachable(m)) => assert!(m.contains("cannot reach"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -443,7 +756,7 @@ mod tests {
             let (conn, _) = listener.accept().unwrap();
             let (tx, rx) = std::sync::mpsc::channel();
             s.spawn(move || {
-                b.forget(0x2000);
+                let _ = b.free(0x2000, || Ok::<(), ()>(()));
                 tx.send(()).unwrap();
             });
             let freed = rx.recv_timeout(Duration::from_secs(2));
@@ -452,5 +765,131 @@ mod tests {
             assert!(freed.is_ok(), "the free waited for the import");
             assert!(matches!(opening.join().unwrap(), Err(Fetch::Unreachable(_))));
         });
+    }
+
+    /// A host allocator's export of a fresh allocation, and the allocator.
+    fn exported() -> (&'static moonbright::Allocator, u64) {
+        let a = moonbright::Allocator::new(moonbright::Options::host(1 << 24, 1 << 16)).unwrap();
+        let p = a.malloc(1 << 16).unwrap();
+        (Box::leak(Box::new(a)), p)
+    }
+
+    /// `b` serving a host allocator's exports (on a thread of its own), and the handle of an
+    /// allocation of it.
+    fn serving(b: &'static Broker) -> (&'static moonbright::Allocator, u64, Handle) {
+        let (a, p) = exported();
+        let start = move |l: UnixListener| {
+            std::thread::spawn(move || b.serve(l, |p, _| a.export(p).map_err(|e| e.to_string())));
+            Ok(())
+        };
+        let raw = b.handle(p, 0, || a.export(p).map_err(|e| e.to_string()), start).unwrap();
+        (a, p, Handle::decode(&raw).unwrap())
+    }
+
+    #[test]
+    fn a_token_is_void_before_its_memory_is_freed() {
+        static B: Broker = Broker::new();
+        let b = &B;
+        let (a, p, h) = serving(b);
+        assert!(fetch(&h, PATIENCE).is_ok(), "served while the allocation is live");
+        // An importer served while the free runs, or at any time after it, gets nothing: the
+        // memory may be another allocation's from the moment it is freed.
+        let mut during = None;
+        b.free(p, || {
+            during = Some(fetch(&h, PATIENCE));
+            a.free(p)
+        })
+        .unwrap();
+        match during.unwrap() {
+            Err(Fetch::Unreachable(m)) => assert!(m.contains("no such export"), "{m}"),
+            other => panic!("served the token of memory being freed: {:?}", other.map(|_| ())),
+        }
+        assert_eq!(b.exported(), 0);
+        // A free that fails keeps the token.
+        let q = a.malloc(1 << 16).unwrap();
+        let raw = b.handle(q, 0, || a.export(q).map_err(|e| e.to_string()), |_| Ok(())).unwrap();
+        let r: Result<(), &str> = b.free(q, || Err("refused"));
+        assert_eq!(r, Err("refused"));
+        assert!(fetch(&Handle::decode(&raw).unwrap(), PATIENCE).is_ok(), "the token is back");
+        a.free(q).unwrap();
+    }
+
+    #[test]
+    fn a_failing_accept_backs_off_and_a_broker_that_stops_issues_no_handle() {
+        // Out of descriptors: every accept fails at once. The loop pauses, longer each time,
+        // instead of spinning; a listener that is gone ends it.
+        let b = &Broker::new();
+        let start = Instant::now();
+        let mut calls = 0;
+        b.serve_with(
+            || {
+                calls += 1;
+                let code = if start.elapsed() < Duration::from_millis(300) {
+                    libc::EMFILE
+                } else {
+                    libc::EBADF
+                };
+                Err(std::io::Error::from_raw_os_error(code))
+            },
+            |_, _| Err("nothing".to_string()),
+        );
+        assert!(calls < 30, "{calls} accepts in 300 ms: the loop spins");
+
+        // A broker whose listener fails for good stops, and then no handle is issued.
+        static C: Broker = Broker::new();
+        let c = &C;
+        let (a, p) = exported();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let start = |l: UnixListener| {
+            tx.send(l.try_clone().unwrap()).unwrap();
+            std::thread::spawn(move || c.serve(l, |p, _| a.export(p).map_err(|e| e.to_string())));
+            Ok(())
+        };
+        assert!(c.handle(p, 0, || a.export(p).map_err(|e| e.to_string()), start).is_ok());
+        let listener = rx.recv().unwrap();
+        rustix::net::shutdown(&listener, rustix::net::Shutdown::Both).unwrap();
+        let waited = Instant::now();
+        while c.serving.load(Ordering::SeqCst) && waited.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let q = a.malloc(1 << 16).unwrap();
+        let check = || a.export(q).map_err(|e| e.to_string());
+        match c.handle(q, 0, check, |_| Ok(())) {
+            Err(m) => assert!(m.contains("stopped serving"), "{m}"),
+            Ok(_) => panic!("a handle was issued with no broker to serve it"),
+        }
+        assert!(c.handle(p, 0, || unreachable!(), |_| Ok(())).is_err(), "nor the old one again");
+    }
+
+    #[test]
+    fn idle_connections_do_not_hold_up_an_importer_and_a_flood_is_turned_away() {
+        static B: Broker = Broker::new();
+        let b = &B;
+        b.set_patience(Duration::from_secs(20));
+        let (_, _, h) = serving(b);
+        let name = address_name(h.pid, &h.broker);
+        let idle = |n: usize| -> Vec<UnixStream> {
+            (0..n).map(|_| connect(&name, Instant::now() + PATIENCE).unwrap()).collect()
+        };
+        // Connections that never send a token: served one at a time, each held the broker
+        // for its whole patience.
+        let some = idle(MAX_CONNECTIONS - 2);
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        assert!(fetch(&h, Duration::from_secs(5)).is_ok(), "an importer waited for idle peers");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        // A flood: beyond what it serves at once, connections are answered at once.
+        let more = idle(4);
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        match fetch(&h, Duration::from_secs(5)) {
+            Err(Fetch::Unreachable(m)) => assert!(m.contains("as many importers"), "{m}"),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        // The idle ones are let go after a second without a token; then all is served again.
+        std::thread::sleep(TOKEN_PATIENCE + Duration::from_millis(300));
+        assert!(fetch(&h, Duration::from_secs(5)).is_ok());
+        drop((some, more));
     }
 }

@@ -222,8 +222,10 @@ impl<R: Runtime> Interposer<R> {
             self.counts.passed_frees.fetch_add(1, Ordering::Relaxed);
             return self.runtime.free(ptr as u64, stream);
         };
+        // A freed allocation's IPC handle is void: `Broker::free` forgets it before the free,
+        // so that no importer is served it once the memory may be another allocation's.
         let r = match stream {
-            Some(s) => a.free_async(ptr as u64, StreamHandle(s)),
+            Some(s) => self.ipc.free(ptr as u64, || a.free_async(ptr as u64, StreamHandle(s))),
             None => {
                 let synced = self.synchronize(device as i32);
                 if synced != code::SUCCESS {
@@ -234,13 +236,11 @@ impl<R: Runtime> Interposer<R> {
                     );
                 }
                 self.counts.synchronous_frees.fetch_add(1, Ordering::Relaxed);
-                a.free(ptr as u64)
+                self.ipc.free(ptr as u64, || a.free(ptr as u64))
             }
         };
         match r {
             Ok(()) => {
-                // A freed allocation's IPC handle is void.
-                self.ipc.forget(ptr as u64);
                 self.counts.served_frees.fetch_add(1, Ordering::Relaxed);
                 code::SUCCESS
             }
@@ -285,6 +285,13 @@ impl<R: Runtime> Interposer<R> {
                 self.fail(m, code::INVALID_VALUE)
             }
         }
+    }
+
+    /// How long opening a handle may wait for its exporter in all (connect, answer, every
+    /// descriptor) before `cudaIpcOpenMemHandle` fails, and how long this process's broker
+    /// gives each importer: 10 s unless set.
+    pub fn set_ipc_timeout(&self, timeout: std::time::Duration) {
+        self.ipc.set_patience(timeout);
     }
 
     /// The broker's export of the allocation at `ptr` on `device`, for one importer.

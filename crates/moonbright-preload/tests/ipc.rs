@@ -7,8 +7,12 @@
 mod common;
 
 use std::ffi::c_void;
+use std::io::{BufRead, Read, Write};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use common::*;
 use moonbright::{Allocator, CallKind, Options};
@@ -87,24 +91,25 @@ fn a_handle_opens_in_another_interposer_onto_the_same_bytes() {
     );
     assert_eq!(serde_json::from_str::<serde_json::Value>(&im.report()).unwrap()["ipc_opens"], 2);
 
-    // Freed, its handle is void; a new allocation at the same address gets a new one.
+    // Freed, its handle is void; a new allocation of the same size gets a new one, and other
+    // memory: the exported memory is never handed out again.
     assert_eq!(ex.free(p as *mut c_void, None), code::SUCCESS);
     assert_eq!(open(im, h).0, code::INVALID_RESOURCE_HANDLE);
     assert!(im.last_error().unwrap().contains("no such export"), "{:?}", im.last_error());
     let (_, p2) = malloc(ex, 5 * MIB, None);
-    assert_eq!(p2, p, "the cache hands the same range back");
+    allocator(ex).write(p2, b"a new allocation!").unwrap();
     let (r, h2) = handle(ex, p2);
     assert_eq!(r, code::SUCCESS);
     assert_ne!(h2, h);
     assert_eq!(open(im, h).0, code::INVALID_RESOURCE_HANDLE, "the old handle never reaches it");
     let (r, q2) = open(im, h2);
     assert_eq!(r, code::SUCCESS);
-    assert_eq!(read(b, q2, 17), b"from the importer", "the same range, with its bytes");
+    assert_eq!(read(b, q2, 17), b"a new allocation!");
     // Closed and opened again: exported afresh by the broker.
     assert_eq!(im.ipc_close_mem_handle(q2 as *mut c_void), code::SUCCESS);
     let (r, q3) = open(im, h2);
     assert_eq!(r, code::SUCCESS);
-    assert_eq!(read(b, q3, 17), b"from the importer");
+    assert_eq!(read(b, q3, 17), b"a new allocation!");
     assert_eq!(im.ipc_close_mem_handle(q3 as *mut c_void), code::SUCCESS);
     allocator(ex).check_invariants().unwrap();
 }
@@ -278,4 +283,201 @@ fn threads_opening_and_closing_one_handle_share_one_mapping() {
     let report: serde_json::Value = serde_json::from_str(&im.report()).unwrap();
     assert_eq!(report["ipc_opens"], 200);
     allocator(im).check_invariants().unwrap();
+}
+
+/// The abstract socket name of broker `name` of process `pid`, as the interposer names it.
+fn broker_address(pid: u32, name: [u8; 8]) -> SocketAddr {
+    let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
+    SocketAddr::from_abstract_name(format!("moonbright-ipc.{pid}.{hex}")).unwrap()
+}
+
+/// A handle naming broker `name` of process `pid`.
+fn handle_of(pid: u32, name: [u8; 8]) -> IpcMemHandle {
+    Handle { pid, device: 0, broker: name, token: [0x5a; 16] }.encode()
+}
+
+/// Plays a broker on `listener`: accepts one connection, reads what the importer sends (for
+/// up to a second), answers `SENT`, and returns the bytes it was sent. Stalls after `SENT`.
+fn fake_broker(listener: UnixListener) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut got = vec![0u8; 16];
+        let n = s.read(&mut got).unwrap_or(0);
+        got.truncate(n);
+        let _ = s.write_all(&[0]);
+        std::thread::sleep(Duration::from_millis(500));
+        got
+    })
+}
+
+#[test]
+fn a_handle_whose_name_another_process_holds_gets_no_token() {
+    let im = leaked(host_options);
+    // The exporter (pid 1 here: not this process) has exited; this process took its name.
+    let name = [0x31; 8];
+    let listener = UnixListener::bind_addr(&broker_address(1, name)).unwrap();
+    let broker = fake_broker(listener);
+    let (r, q) = open(im, handle_of(1, name));
+    assert_eq!((r, q), (code::INVALID_RESOURCE_HANDLE, 0));
+    let m = im.last_error().unwrap();
+    assert!(m.contains("not by the exporting process 1"), "{m}");
+    assert_eq!(broker.join().unwrap(), Vec::<u8>::new(), "the token was sent to an impostor");
+}
+
+/// The environment variable that makes `other_users_broker` the child: a name, in hex.
+const IMPOSTOR: &str = "MOONBRIGHT_PRELOAD_IPC_TEST_IMPOSTOR";
+
+/// The child of `a_handle_whose_name_another_user_holds_gets_no_token`, running as another
+/// user: binds its own broker name, says so, and reports what an importer sends it.
+#[test]
+fn other_users_broker() {
+    let Ok(hex) = std::env::var(IMPOSTOR) else { return };
+    let mut name = [0u8; 8];
+    for (i, b) in name.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let listener = UnixListener::bind_addr(&broker_address(std::process::id(), name)).unwrap();
+    println!("listening as uid {}", rustix::process::geteuid().as_raw());
+    let got = fake_broker(listener).join().unwrap();
+    println!("received {} bytes", got.len());
+}
+
+#[test]
+fn a_handle_whose_name_another_user_holds_gets_no_token() {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: playing another user needs root (CI runs as root)");
+        return;
+    }
+    let im = leaked(host_options);
+    let name = [0x42; 8];
+    let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
+    // The other user (nobody) holds the name with the right pid: its own.
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "other_users_broker", "--nocapture", "--test-threads", "1"])
+        .env(IMPOSTOR, hex)
+        .uid(65534)
+        .gid(65534)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("listening") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child did not start");
+    }
+    assert!(line.contains("uid 65534"), "{line}");
+    let (r, q) = open(im, handle_of(child.id(), name));
+    assert_eq!((r, q), (code::INVALID_RESOURCE_HANDLE, 0));
+    let m = im.last_error().unwrap();
+    assert!(m.contains("of user 65534"), "{m}");
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(child.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("received 0 bytes"), "the token was sent to another user: {rest}");
+}
+
+#[test]
+fn an_exporter_that_stops_answering_times_out_and_closes_do_not_wait_for_it() {
+    let (ex, im) = (leaked(host_options), leaked(host_options));
+    im.set_ipc_timeout(Duration::from_millis(300));
+    // An import to close while another open hangs.
+    let (_, p) = malloc(ex, 2 * MIB, None);
+    let (r, q) = open(im, handle(ex, p).1);
+    assert_eq!(r, code::SUCCESS);
+    // A broker of this process that answers `SENT`, then sends nothing.
+    let name = [0x77; 8];
+    let listener = UnixListener::bind_addr(&broker_address(std::process::id(), name)).unwrap();
+    let broker = fake_broker(listener);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let hung = handle_of(std::process::id(), name);
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = open(im, hung);
+        tx.send((r, t.elapsed(), im.last_error())).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    assert_eq!(im.ipc_close_mem_handle(q as *mut c_void), code::SUCCESS);
+    assert!(t.elapsed() < Duration::from_millis(200), "a close waited {:?}", t.elapsed());
+    let (r, took, m) = rx.recv_timeout(Duration::from_secs(5)).expect("the open hangs");
+    assert_eq!(r, (code::INVALID_RESOURCE_HANDLE, 0));
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(m.unwrap().contains("timed out"));
+    assert_eq!(broker.join().unwrap().len(), 16, "the token went to this process's broker");
+}
+
+#[test]
+fn a_broker_whose_queue_is_full_times_the_connect_out() {
+    use rustix::net::{bind, listen, socket, AddressFamily, SocketAddrUnix, SocketType};
+    let im = leaked(host_options);
+    im.set_ipc_timeout(Duration::from_millis(300));
+    let name = [0x99; 8];
+    let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
+    let path = format!("moonbright-ipc.{}.{hex}", std::process::id());
+    // A listener that accepts nothing, with no room in its queue once one connection waits.
+    let fd = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    bind(&fd, &SocketAddrUnix::new_abstract_name(path.as_bytes()).unwrap()).unwrap();
+    listen(&fd, 0).unwrap();
+    let _waiting = UnixStream::connect_addr(&broker_address(std::process::id(), name)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = open(im, handle_of(std::process::id(), name));
+        tx.send((r, t.elapsed(), im.last_error())).unwrap();
+    });
+    let (r, took, m) = rx.recv_timeout(Duration::from_secs(5)).expect("the connect hangs");
+    assert_eq!(r, (code::INVALID_RESOURCE_HANDLE, 0));
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(m.unwrap().contains("timed out"));
+}
+
+/// The environment variable that makes `other_users_importer` the child: a handle, in hex.
+const INTRUDER: &str = "MOONBRIGHT_PRELOAD_IPC_TEST_INTRUDER";
+
+/// The child of `another_users_importer_is_refused_by_the_broker`, running as another user:
+/// connects to the handle's broker as a raw client (no check of its own), sends the token, and
+/// prints the broker's answer byte.
+#[test]
+fn other_users_importer() {
+    let Ok(hex) = std::env::var(INTRUDER) else { return };
+    let mut raw = IpcMemHandle { reserved: [0; 64] };
+    for (i, b) in raw.reserved.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let h = Handle::decode(&raw).unwrap();
+    let mut s = UnixStream::connect_addr(&broker_address(h.pid, h.broker)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(&h.token);
+    let mut answer = [0xffu8; 1];
+    let _ = s.read_exact(&mut answer);
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    println!("answer {} then {} bytes", answer[0], rest.len());
+}
+
+#[test]
+fn another_users_importer_is_refused_by_the_broker() {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: playing another user needs root (CI runs as root)");
+        return;
+    }
+    let ex = leaked(host_options);
+    let (_, p) = malloc(ex, 2 * MIB, None);
+    let (_, h) = handle(ex, p);
+    let hex: String = h.reserved.iter().map(|b| format!("{b:02x}")).collect();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "other_users_importer", "--nocapture", "--test-threads", "1"])
+        .env(INTRUDER, hex)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("answer 1 then 0 bytes"), "not refused: {text}");
+    assert_eq!(ex.free(p as *mut c_void, None), code::SUCCESS);
 }

@@ -357,8 +357,12 @@ impl Allocator {
     /// Exports the live allocation (or growable) at `ptr` for another process: the chunks that
     /// back it, each as a file descriptor, to send with [`Export::send`] over a Unix socket.
     /// The allocation must stay live until every importer has closed it, as with
-    /// `cudaIpcGetMemHandle`. An allocation below a page shares the page it is carved from.
-    /// Needs option `ipc` (on by default) and a driver that gives POSIX file descriptor handles.
+    /// `cudaIpcGetMemHandle`. Only the chunks the allocation's bytes lie in are shared, and
+    /// they are never reused here: once the allocation is freed (and unmapped) they go back to
+    /// the driver. A block carved from an arena (below a page, or cut from cached chunks under
+    /// option `carve`) shares its chunks with other allocations, and a graph pool's block is
+    /// reused by the pool once freed: both are refused (`Error::Ipc`; docs/security.md). Needs option `ipc` (on by default) and a driver that
+    /// gives POSIX file descriptor handles.
     pub fn export(&self, ptr: DevicePtr) -> Result<Export> {
         let driver = self.driver();
         if !self.options().ipc || !driver.shareable() {
@@ -366,6 +370,13 @@ impl Allocator {
                 "this allocator's chunks cannot be exported: option `ipc` is off, or the {} \
                  driver refused to create chunks with POSIX file descriptor handles",
                 driver.name()
+            )));
+        }
+        if self.shared.graph_pool_owns(ptr) {
+            return Err(Error::Ipc(format!(
+                "{ptr:#x} belongs to a CUDA graph's private pool, which hands its memory to the \
+                 pool's next allocations once it is freed: an importer would reach them, so it \
+                 is not exported"
             )));
         }
         let shared = self.shared.heap().shared_chunks(ptr)?;

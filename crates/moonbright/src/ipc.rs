@@ -10,17 +10,20 @@
 //! socket (a process cannot open another's), which is what `send` and `recv` do.
 //!
 //! Lifetimes follow `cudaIpcGetMemHandle`: the exporter keeps the allocation live until every
-//! importer has closed it (its memory would otherwise be reused under them), and an importer
+//! importer has closed it (once it is freed, importers' writes reach nobody), and an importer
 //! closes only once its own work on the memory has completed (the unmap is immediate). The
-//! physical memory itself lives until both sides have let go, as the driver counts references.
+//! physical memory itself lives until both sides have let go, as the driver counts references;
+//! the exporter never hands exported memory to another allocation (`Heap::shared_chunks`).
+//! What each side trusts: docs/security.md.
 
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Mutex;
+use std::time::Instant;
 
-use rustix::event::{poll, PollFd, PollFlags};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
     SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
@@ -65,6 +68,13 @@ impl Export {
         offset: u64,
         chunks: Vec<SharedChunk>,
     ) -> Export {
+        // The driver's descriptor may lack close-on-exec (`cuMemExportToShareableHandle` does
+        // not promise it): without it, a fork and exec anywhere in the process would hand the
+        // new program this memory. Setting the flag on a valid descriptor cannot fail in a
+        // way that matters here; a failure leaves it as the driver made it.
+        for c in &chunks {
+            let _ = rustix::io::fcntl_setfd(&c.fd, rustix::io::FdFlags::CLOEXEC);
+        }
         Export {
             backend: backend.to_owned(),
             device,
@@ -171,32 +181,60 @@ impl Export {
 
     /// Sends the export over a connected Unix socket: its description and, as `SCM_RIGHTS`, a
     /// copy of each descriptor (in messages of up to 250). The export stays usable, and may be
-    /// sent again.
+    /// sent again. A non-blocking socket is waited on for as long as it takes; a blocking one
+    /// with a send time-out (`SO_SNDTIMEO`) fails once it expires.
     pub fn send(&self, socket: impl AsFd) -> Result<()> {
+        self.send_by(socket, None)
+    }
+
+    /// [`Export::send`], failing with [`Error::Ipc`] if it has not completed by `deadline`.
+    pub fn send_by(&self, socket: impl AsFd, deadline: Option<Instant>) -> Result<()> {
         let socket = socket.as_fd();
         let bytes = self.encode();
         let fds: Vec<_> = self.chunks.iter().map(|c| c.fd.as_fd()).collect();
         let mut groups = fds.chunks(FDS_PER_MESSAGE);
-        send_with(socket, &bytes, groups.next().unwrap_or(&[]))?;
+        send_with(socket, &bytes, groups.next().unwrap_or(&[]), deadline)?;
         for group in groups {
-            send_with(socket, b"+", group)?;
+            send_with(socket, b"+", group, deadline)?;
         }
         Ok(())
     }
 
     /// Receives an export `send` sent, from a connected Unix socket. Refuses (and closes every
-    /// descriptor received) anything malformed.
+    /// descriptor received) anything malformed, and never takes in more descriptors than the
+    /// export announces. A non-blocking socket is waited on for as long as it takes; a blocking
+    /// one with a receive time-out (`SO_RCVTIMEO`) fails once it expires.
+    ///
+    /// The socket is the caller's: whoever is at its other end chooses what arrives (see
+    /// docs/security.md). The export is checked for form, not for origin: check the peer
+    /// (`SO_PEERCRED`) before, if it matters who sent it.
     pub fn recv(socket: impl AsFd) -> Result<Export> {
+        Export::recv_by(socket, None)
+    }
+
+    /// [`Export::recv`], failing with [`Error::Ipc`] if it has not completed by `deadline`.
+    pub fn recv_by(socket: impl AsFd, deadline: Option<Instant>) -> Result<Export> {
         let socket = socket.as_fd();
-        let mut fds = Vec::new();
+        // The descriptors travel with the first bytes: learn how many are announced before
+        // taking any in (a peek installs none).
         let mut prefix = [0u8; PREFIX];
-        recv_exact(socket, &mut prefix, &mut fds)?;
-        let (body_len, count) = read_prefix(&prefix)?;
+        peek_exact(socket, &mut prefix, deadline)?;
+        let (body_len, count) = match read_prefix(&prefix) {
+            Ok(r) => r,
+            Err(e) => {
+                // Taken off the socket as a read would have (any descriptor with them is
+                // closed by the kernel: there is no room for one).
+                let _ = recv_exact(socket, &mut prefix, &mut Vec::new(), 0, deadline);
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        recv_exact(socket, &mut prefix, &mut fds, count, deadline)?;
         let mut body = vec![0u8; body_len];
-        recv_exact(socket, &mut body, &mut fds)?;
+        recv_exact(socket, &mut body, &mut fds, count, deadline)?;
         while fds.len() < count {
             let mut mark = [0u8; 1];
-            recv_exact(socket, &mut mark, &mut fds)?;
+            recv_exact(socket, &mut mark, &mut fds, count, deadline)?;
             if mark != *b"+" {
                 return Err(bad_wire("a message of descriptors without its mark".into()));
             }
@@ -256,10 +294,16 @@ fn io_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Ipc(format!("{what}: {e}"))
 }
 
-/// Whether a failed socket call should be made again: after an interruption, or once a
-/// non-blocking socket is ready (Python's sockets with a timeout are non-blocking; this waits
-/// without one).
-fn retry(socket: BorrowedFd<'_>, e: rustix::io::Errno, ready: PollFlags) -> Result<bool> {
+/// Whether a failed socket call should be made again: after an interruption, or once the
+/// socket is ready (Python's sockets with a timeout are non-blocking). The wait ends at
+/// `deadline`, if any, with an error. Without a deadline, `EAGAIN` on a blocking socket means
+/// its own time-out (`SO_RCVTIMEO`, `SO_SNDTIMEO`) expired: an error too, never a wait.
+fn retry(
+    socket: BorrowedFd<'_>,
+    e: rustix::io::Errno,
+    ready: PollFlags,
+    deadline: Option<Instant>,
+) -> Result<bool> {
     use rustix::io::Errno;
     if e == Errno::INTR {
         return Ok(true);
@@ -267,18 +311,64 @@ fn retry(socket: BorrowedFd<'_>, e: rustix::io::Errno, ready: PollFlags) -> Resu
     if e != Errno::AGAIN {
         return Ok(false);
     }
+    // With a deadline every call is made with `DONTWAIT`: `AGAIN` is no time-out then.
+    if deadline.is_none() {
+        let blocking = rustix::fs::fcntl_getfl(socket)
+            .map(|f| !f.contains(rustix::fs::OFlags::NONBLOCK))
+            .map_err(|e| io_error("reading the socket's flags", e))?;
+        if blocking {
+            return Err(Error::Ipc(
+                "the socket's own time-out expired (SO_RCVTIMEO or SO_SNDTIMEO)".into(),
+            ));
+        }
+    }
+    wait(socket, ready, deadline).map(|()| true)
+}
+
+/// Waits until `socket` is ready for `ready`, or fails at `deadline`.
+fn wait(socket: BorrowedFd<'_>, ready: PollFlags, deadline: Option<Instant>) -> Result<()> {
+    use rustix::io::Errno;
     let mut fds = [PollFd::from_borrowed_fd(socket, ready)];
     loop {
-        match poll(&mut fds, None) {
-            Ok(_) => return Ok(true),
+        let timeout = match deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(timed_out());
+                }
+                Some(Timespec::try_from(left).unwrap_or(Timespec { tv_sec: i64::MAX, tv_nsec: 0 }))
+            }
+        };
+        match poll(&mut fds, timeout.as_ref()) {
+            Ok(0) => continue, // The deadline is checked above.
+            Ok(_) => return Ok(()),
             Err(Errno::INTR) => continue,
             Err(e) => return Err(io_error("waiting for the socket", e)),
         }
     }
 }
 
+/// `flag` (`DONTWAIT`) when there is a deadline (a blocking call could outlast it), else none.
+fn dont_wait<F>(deadline: Option<Instant>, flag: F, none: F) -> F {
+    if deadline.is_some() {
+        flag
+    } else {
+        none
+    }
+}
+
+fn timed_out() -> Error {
+    Error::Ipc("timed out waiting for the other side of the socket".into())
+}
+
 /// Sends all of `bytes`, with `fds` attached to the first message.
-fn send_with(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+fn send_with(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Option<Instant>,
+) -> Result<()> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_MESSAGE))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
@@ -286,10 +376,15 @@ fn send_with(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Re
     }
     let mut sent = 0;
     while sent < bytes.len() {
-        let r = sendmsg(socket, &[IoSlice::new(&bytes[sent..])], &mut control, SendFlags::NOSIGNAL);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(timed_out());
+        }
+        let flags =
+            SendFlags::NOSIGNAL | dont_wait(deadline, SendFlags::DONTWAIT, SendFlags::empty());
+        let r = sendmsg(socket, &[IoSlice::new(&bytes[sent..])], &mut control, flags);
         let n = match r {
             Ok(n) => n,
-            Err(e) if retry(socket, e, PollFlags::OUT)? => continue,
+            Err(e) if retry(socket, e, PollFlags::OUT, deadline)? => continue,
             Err(e) => return Err(io_error("sending an export", e)),
         };
         // The descriptors went with the first bytes.
@@ -299,21 +394,61 @@ fn send_with(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Re
     Ok(())
 }
 
-/// Fills `buf` from the socket, keeping every descriptor that arrives meanwhile.
-fn recv_exact(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+/// Fills `buf` with the next bytes on the socket without taking them (nor any descriptor).
+fn peek_exact(socket: BorrowedFd<'_>, buf: &mut [u8], deadline: Option<Instant>) -> Result<()> {
+    loop {
+        let flags = RecvFlags::PEEK | dont_wait(deadline, RecvFlags::DONTWAIT, RecvFlags::empty());
+        match rustix::net::recv(socket, &mut *buf, flags) {
+            Ok((_, 0)) => {
+                return Err(Error::Ipc("receiving an export: the socket was closed".into()))
+            }
+            Ok((_, n)) if n >= buf.len() => return Ok(()),
+            // Part of it so far: wait for more (a peek returns what is there, from the start).
+            // The bytes there keep the socket readable: sleep a little instead of spinning,
+            // unless the other side has closed, when no more will come.
+            Ok(_) => {
+                let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::RDHUP)];
+                let _ = poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 1_000_000 }));
+                let gone = PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR;
+                if fds[0].revents().intersects(gone) {
+                    return Err(Error::Ipc(
+                        "receiving an export: the socket was closed part-way".into(),
+                    ));
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(timed_out());
+                }
+            }
+            Err(e) if retry(socket, e, PollFlags::IN, deadline)? => {}
+            Err(e) => return Err(io_error("receiving an export", e)),
+        }
+    }
+}
+
+/// Fills `buf` from the socket, keeping every descriptor that arrives meanwhile, up to `count`
+/// in all: more is refused (the kernel closes what does not fit; `CTRUNC` says so).
+fn recv_exact(
+    socket: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    count: usize,
+    deadline: Option<Instant>,
+) -> Result<()> {
     let mut got = 0;
     while got < buf.len() {
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let room = count.saturating_sub(fds.len()).min(FDS_PER_MESSAGE);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_PER_MESSAGE))];
+        let space = &mut space[..rustix::cmsg_space!(ScmRights(room))];
+        let mut control = RecvAncillaryBuffer::new(if room == 0 { &mut [] } else { space });
         let r = recvmsg(
             socket,
             &mut [IoSliceMut::new(&mut buf[got..])],
             &mut control,
-            RecvFlags::CMSG_CLOEXEC,
+            RecvFlags::CMSG_CLOEXEC | dont_wait(deadline, RecvFlags::DONTWAIT, RecvFlags::empty()),
         );
         let r = match r {
             Ok(r) => r,
-            Err(e) if retry(socket, e, PollFlags::IN)? => continue,
+            Err(e) if retry(socket, e, PollFlags::IN, deadline)? => continue,
             Err(e) => return Err(io_error("receiving an export", e)),
         };
         for msg in control.drain() {
@@ -322,11 +457,10 @@ fn recv_exact(socket: BorrowedFd<'_>, buf: &mut [u8], fds: &mut Vec<OwnedFd>) ->
             }
         }
         if r.flags.contains(ReturnFlags::CTRUNC) {
-            return Err(Error::Ipc(
-                "receiving an export: descriptors were dropped (the process's limit on open \
-                 files?)"
-                    .into(),
-            ));
+            return Err(Error::Ipc(format!(
+                "receiving an export: more descriptors than the {count} announced, or the \
+                 process's limit on open files was reached; the extra ones were dropped"
+            )));
         }
         if r.bytes == 0 {
             return Err(Error::Ipc("receiving an export: the socket was closed".into()));
@@ -531,6 +665,100 @@ mod tests {
         assert_eq!(receiver.join().unwrap().unwrap(), 600);
     }
 
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    #[test]
+    fn more_descriptors_than_announced_are_never_taken_in() {
+        // One chunk announced, 200 descriptors sent with it: the receiver takes in at most one
+        // (the kernel closes the rest) and refuses the export.
+        let one = Export::new("host", 0, 4096, 0, chunks(1));
+        let (bytes, _) = one.into_parts();
+        let extra = chunks(200);
+        let fds: Vec<_> = extra.iter().map(|c| c.fd.as_fd()).collect();
+        let (a, b) = UnixStream::pair().unwrap();
+        send_with(a.as_fd(), &bytes, &fds, None).unwrap();
+        drop(extra);
+        let before = open_fds();
+        match Export::recv(&b) {
+            Err(Error::Ipc(m)) => {
+                assert!(m.contains("more descriptors than the 1 announced"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(open_fds(), before, "every descriptor received was closed");
+    }
+
+    #[test]
+    fn exported_descriptors_are_close_on_exec() {
+        use rustix::io::{fcntl_getfd, FdFlags};
+        let file = std::fs::File::open("/dev/null").unwrap();
+        // `dup` gives a descriptor without close-on-exec, as a driver may.
+        let fd = rustix::io::dup(&file).unwrap();
+        assert!(!fcntl_getfd(&fd).unwrap().contains(FdFlags::CLOEXEC));
+        let e = Export::new("host", 0, 4096, 0, vec![SharedChunk { fd, offset: 0, size: 4096 }]);
+        assert!(fcntl_getfd(&e.chunks()[0].fd).unwrap().contains(FdFlags::CLOEXEC));
+        // Received descriptors are too.
+        let (a, b) = UnixStream::pair().unwrap();
+        e.send(&a).unwrap();
+        let got = Export::recv(&b).unwrap();
+        assert!(fcntl_getfd(&got.chunks()[0].fd).unwrap().contains(FdFlags::CLOEXEC));
+    }
+
+    /// Runs `f` on a thread; its result if it returns within `limit`, else `None` (the thread
+    /// is left behind).
+    fn within<T: Send + 'static>(
+        limit: std::time::Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(limit).ok()
+    }
+
+    #[test]
+    fn a_sender_that_stops_half_way_times_out() {
+        use std::time::Duration;
+        let e = Export::new("host", 0, 1 << 20, 0, chunks(300));
+        let bytes = e.encode();
+        // The description and the first 250 descriptors, then nothing: the socket stays open.
+        let (a, b) = UnixStream::pair().unwrap();
+        let fds: Vec<_> = e.chunks().iter().take(FDS_PER_MESSAGE).map(|c| c.fd.as_fd()).collect();
+        send_with(a.as_fd(), &bytes, &fds, None).unwrap();
+        // A blocking socket with its own time-out: it holds.
+        b.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let b2 = b.try_clone().unwrap();
+        let r = within(Duration::from_secs(5), move || Export::recv(&b2).map(|_| ()));
+        match r {
+            Some(Err(Error::Ipc(m))) => assert!(m.contains("time-out"), "{m}"),
+            Some(other) => panic!("{other:?}"),
+            None => panic!("recv waited past the socket's time-out"),
+        }
+        // A deadline holds on any socket, blocking or not, with no time-out of its own.
+        b.set_read_timeout(None).unwrap();
+        let b3 = b.try_clone().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_millis(200);
+        let r = within(Duration::from_secs(5), move || Export::recv_by(&b3, Some(deadline)));
+        assert!(matches!(r, Some(Err(Error::Ipc(m))) if m.contains("timed out")));
+        b.set_nonblocking(true).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_millis(200);
+        let r = within(Duration::from_secs(5), move || Export::recv_by(&b, Some(deadline)));
+        assert!(matches!(r, Some(Err(Error::Ipc(m))) if m.contains("timed out")));
+        drop(a);
+    }
+
+    #[test]
+    fn a_prefix_cut_short_by_a_close_is_refused_at_once() {
+        let (a, b) = UnixStream::pair().unwrap();
+        std::io::Write::write_all(&mut &a, &MAGIC[..6]).unwrap();
+        drop(a);
+        let r = within(std::time::Duration::from_secs(5), move || Export::recv(&b).map(|_| ()));
+        assert!(matches!(r, Some(Err(Error::Ipc(m))) if m.contains("closed")));
+    }
+
     #[test]
     fn malformed_exports_are_refused() {
         let (a, b) = UnixStream::pair().unwrap();
@@ -546,7 +774,7 @@ mod tests {
         // Fewer descriptors than chunks: the sender died half-way.
         let (a, b) = UnixStream::pair().unwrap();
         let e = Export::new("host", 0, 1 << 20, 0, chunks(300));
-        send_with(a.as_fd(), &e.encode(), &[]).unwrap();
+        send_with(a.as_fd(), &e.encode(), &[], None).unwrap();
         drop(a);
         assert!(matches!(Export::recv(&b), Err(Error::Ipc(m)) if m.contains("closed")));
     }

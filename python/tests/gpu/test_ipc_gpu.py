@@ -28,7 +28,7 @@ res["big"] = bool(torch.equal(big, torch.arange(1 << 28, dtype=torch.int32, devi
 stitched = moonbright.ipc.recv_tensor(s)
 res["stitched"] = bool((stitched == 7).all())
 small = moonbright.ipc.recv_tensor(s)
-res["small"] = small.tolist()
+res["small"] = small[:3].tolist()
 view = moonbright.ipc.recv_tensor(s)
 ref = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)[::2, 3:]
 res["view"] = bool(torch.equal(view, ref)) and view.stride() == ref.stride()
@@ -82,7 +82,16 @@ cap = moonbright.cap()
 moonbright.set_cap(moonbright.memory_stats()["reserved_bytes.all.current"])
 stitched = torch.full((16 << 20,), 7.0, device="cuda")
 moonbright.set_cap(cap)
-small = torch.tensor([1.5, 2.5, 3.5], device="cuda")
+# A page (2 MiB) of its own: a tensor below a page shares its page with other allocations,
+# and is refused (docs/security.md).
+small = torch.zeros(1 << 19, device="cuda")
+small[:3] = torch.tensor([1.5, 2.5, 3.5], device="cuda")
+tiny = torch.tensor([1.0], device="cuda")
+try:
+    moonbright.ipc.send_tensor(parent, tiny)
+    tiny_refused = "sent"
+except RuntimeError as e:
+    tiny_refused = str(e)
 base = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
 torch.cuda.synchronize()
 exports = []
@@ -92,7 +101,8 @@ for t in (big, stitched, small, base[::2, 3:]):
     exports.append(moonbright.memory_stats()["moonbright.driver_calls.export"] - before)
 res = answer(parent)
 res["exports"] = exports
-res["small_after"] = small.tolist()
+res["tiny_refused"] = tiny_refused
+res["small_after"] = small[:3].tolist()
 ref = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
 ref[::2, 3:] = 0
 res["base_after"] = bool(torch.equal(base, ref))
@@ -125,6 +135,7 @@ def test_tensors_cross_processes_both_ways():
     assert out["imports"] == 4 and out["imports_after_gc"] == 0
     assert out["torch_allocated"] == 0, "the child's tensors are views of imported memory"
     assert out["small_after"] == [3.0, 5.0, 7.0], "the child's write reached the parent"
+    assert "other allocations share" in out["tiny_refused"], out["tiny_refused"]
     assert out["base_after"], "the child zeroed exactly its strided view of the parent's tensor"
 
 
@@ -132,6 +143,7 @@ MP_SCRIPT = """
 import gc, json
 import torch
 import torch.multiprocessing as tmp
+from multiprocessing.reduction import ForkingPickler
 import moonbright, moonbright.torch
 
 
@@ -144,10 +156,10 @@ def child(q, out):
     out.put({
         # A typed storage pickles its untyped storage, which goes through moonbright.ipc.
         "typed": isinstance(typed, torch.TypedStorage) and typed.dtype == torch.float32
-        and typed.size() == 256 and typed.is_cuda
+        and typed.size() == 1 << 19 and typed.is_cuda
         and bool((torch.empty(0, device="cuda").set_(typed._untyped_storage) == 2.5).all()),
         "x": bool(torch.equal(x, ref())),
-        "storage": storage.is_cuda and storage.nbytes() == 4096
+        "storage": storage.is_cuda and storage.nbytes() == 2 << 20
         and bool((torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage) == 9).all()),
         "param": isinstance(p, torch.nn.Parameter) and p.requires_grad and bool((p == 1).all()),
         "view": bool(torch.equal(view, ref().reshape(1024, 1024)[1::2, :7])),
@@ -164,7 +176,9 @@ if __name__ == "__main__":
     moonbright.torch.enable()
     ctx = tmp.get_context("spawn")
     x = ref()
-    p = torch.nn.Parameter(torch.ones(1000, device="cuda"))
+    # Each a page (2 MiB) or more: a tensor below a page shares its page with other
+    # allocations, and is refused (docs/security.md), as `tiny` shows.
+    p = torch.nn.Parameter(torch.ones(1 << 19, device="cuda"))
     base = ref().reshape(1024, 1024)
     try:
         tmp.reductions.reduce_tensor(x)
@@ -174,14 +188,20 @@ if __name__ == "__main__":
     q, out = ctx.Queue(), ctx.Queue()
     c = ctx.Process(target=child, args=(q, out))
     c.start()
-    s = torch.full((4096,), 9, dtype=torch.uint8, device="cuda").untyped_storage()
-    typed = torch.full((256,), 2.5, device="cuda").storage()
+    s = torch.full((2 << 20,), 9, dtype=torch.uint8, device="cuda").untyped_storage()
+    typed = torch.full((1 << 19,), 2.5, device="cuda").storage()
+    try:
+        ForkingPickler.dumps(torch.ones(10, device="cuda"))
+        tiny = "pickled"
+    except RuntimeError as e:
+        tiny = str(e)
     q.put((x, p, base[1::2, :7], s, typed))
     ok = out.get(timeout=300)
     left = out.get(timeout=120)
     c.join(120)
     print(json.dumps({"ok": ok, "imports_left": left, "exitcode": c.exitcode,
-                      "x_after": bool(torch.equal(x, 3 * ref())), "torch_own": own}))
+                      "x_after": bool(torch.equal(x, 3 * ref())), "torch_own": own,
+                      "tiny": tiny}))
 """
 
 
@@ -196,6 +216,7 @@ def test_torch_multiprocessing_sends_moonbright_tensors(tmp_path):
     }
     assert out["imports_left"] == 0, "the child's imports close with its tensors"
     assert out["x_after"], "the child's write reached the parent"
+    assert "other allocations share" in out["tiny"], out["tiny"]
 
 
 CHILD_ON_GPU1 = """

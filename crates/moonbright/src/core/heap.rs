@@ -483,22 +483,43 @@ impl Heap {
     }
 
     /// What exporting the live allocation (or growable) at `ptr` shares (`Allocator::export`):
-    /// the chunks that back it, in address order, as (handle, bytes); where it starts in the
-    /// first; and its size. An allocation below a page shares its arena's page. A growable
-    /// shares the chunks committed now. Refuses any other pointer as `free` would.
-    pub fn shared_chunks(&self, ptr: u64) -> Result<SharedChunks> {
-        let chunks = |ids: &[ChunkId]| -> Vec<(ChunkHandle, u64)> {
-            ids.iter()
-                .map(|&c| (self.pool.get(c).handle, self.bytes(self.pool.get(c).pages)))
-                .collect()
-        };
+    /// the chunks that back it, in address order, as (handle, bytes), only those its bytes lie
+    /// in; where it starts in the first; and its size. Marks them exported: from now on they
+    /// are never reused here, and once freed they go back to the driver (`Pool::put_bare`,
+    /// `discard_range`). A block carved from an arena (below a page, or cut from cached
+    /// chunks) shares its chunks with other allocations, which the importer would reach: it is
+    /// refused (docs/security.md). A growable shares the chunks committed now. Refuses any
+    /// other pointer as `free` would.
+    pub fn shared_chunks(&mut self, ptr: u64) -> Result<SharedChunks> {
         if let Some(live) = self.live.get(&ptr).filter(|l| !l.pooled) {
-            let (id, offset) = match live.backing {
-                Backing::Range(id) => (id, 0),
-                Backing::Sub { arena, offset } => (arena, offset),
+            let id = match live.backing {
+                Backing::Range(id) => id,
+                Backing::Sub { arena, .. } => {
+                    let (what, remedy) = if self.range(arena).use_ == Use::Arena {
+                        (
+                            "a block below a page, carved from a page",
+                            format!("allocate what you share with {} bytes or more", self.lim.page),
+                        )
+                    } else {
+                        (
+                            "a block carved from a run of cached chunks (option `carve`)",
+                            "set options `carve` and `carve_repeated` to 0 in a process that \
+                             shares what it allocates"
+                                .to_string(),
+                        )
+                    };
+                    return Err(Error::Ipc(format!(
+                        "{ptr:#x} ({} bytes) is {what} that other allocations share: an \
+                         importer would reach their memory, so it is not exported; {remedy} \
+                         (docs/security.md)",
+                        live.size
+                    )));
+                }
             };
-            let r = self.range(id);
-            return Ok(SharedChunks { chunks: chunks(&r.chunks), offset, size: live.size });
+            let size = live.size;
+            let chunks = self.range(id).chunks.to_vec();
+            let shared = self.export_covering(&chunks, size);
+            return Ok(SharedChunks { chunks: shared, offset: 0, size });
         }
         if let Ok(g) = self.live_growable(ptr) {
             if g.chunks.is_empty() {
@@ -506,9 +527,66 @@ impl Heap {
                     "growable allocation {ptr:#x} has no memory committed to share; resize it first"
                 )));
             }
-            return Ok(SharedChunks { chunks: chunks(&g.chunks), offset: 0, size: g.size });
+            let (chunks, size) = (g.chunks.clone(), g.size);
+            let shared = self.export_covering(&chunks, size.max(1));
+            return Ok(SharedChunks { chunks: shared, offset: 0, size });
         }
         Err(self.classify_bad_free(ptr))
+    }
+
+    /// The leading chunks of `chunks` that `size` bytes from the first's start lie in, as
+    /// (handle, bytes), marked exported.
+    fn export_covering(&mut self, chunks: &[ChunkId], size: u64) -> Vec<(ChunkHandle, u64)> {
+        let mut out = Vec::new();
+        let mut covered = 0;
+        for &c in chunks {
+            if covered >= size {
+                break;
+            }
+            self.pool.mark_exported(c);
+            let bytes = self.bytes(self.pool.get(c).pages);
+            out.push((self.pool.get(c).handle, bytes));
+            covered += bytes;
+        }
+        out
+    }
+
+    /// Whether range `id` holds an exported chunk (checked only once anything was exported).
+    fn holds_exported(&self, id: RangeId) -> bool {
+        self.pool.any_exported() && self.range(id).chunks.iter().any(|&c| self.pool.get(c).exported)
+    }
+
+    /// Takes apart a freed range that holds exported chunks instead of caching it: its
+    /// addresses are retired (unmapped once `after`, a stream's epoch, has passed), its
+    /// exported chunks doomed (released once unmapped, never reused), the others bare.
+    fn discard_range(&mut self, id: RangeId, after: Option<(u64, u64)>) {
+        let range = self.remove_range(id);
+        for &c in range.chunks.iter() {
+            self.pool.put_bare(c);
+        }
+        let len = self.bytes(range.pages);
+        self.retire_after(range.va, len, range.chunks.into_vec(), after);
+    }
+
+    /// Whether an exported chunk waits, unmapped, to be released (`take_doomed`).
+    pub fn has_doomed(&self) -> bool {
+        self.pool.any_exported() && self.pool.has_doomed_unmapped()
+    }
+
+    /// Takes out the exported chunks that no range uses and that are mapped nowhere, for
+    /// release, as `take_releasable` does (a claim id, and the chunks).
+    pub fn take_doomed(&mut self) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
+        let out: Vec<_> = self
+            .pool
+            .take_doomed()
+            .into_iter()
+            .map(|c| (c, self.pool.get(c).handle, self.pool.get(c).pages))
+            .collect();
+        let id = self.next_plan;
+        self.next_plan += 1;
+        let chunks = out.iter().map(|r| r.0).collect();
+        self.inflight.insert(id, Claim { chunks, ..Claim::default() });
+        (id, out)
     }
 
     fn range(&self, id: RangeId) -> &Range {
@@ -907,6 +985,13 @@ impl Heap {
         };
         if live.uses.iter().all(|&u| u == stream) {
             let epoch = match what {
+                // Exported: never reused, not even by `stream`; unmapped once its work passes.
+                Pending::Range { id, va, pages } if self.holds_exported(id) => {
+                    let epoch = self.streams.push(stream, Pending::Mark);
+                    self.discard_range(id, Some((stream, epoch)));
+                    self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
+                    epoch
+                }
                 // Free at once, held for the stream in its arena until the epoch completes
                 // (`SubPage`): as PyTorch's allocator, the history shows the free complete now.
                 Pending::Block { ptr, rounded } => {

@@ -18,6 +18,10 @@ pub(crate) struct Chunk {
     pub mappings: u32,
     /// In no live or cached range.
     pub bare: bool,
+    /// Shared with another process (`Heap::export_chunks`): another process may map it for
+    /// as long as it likes, so it is never bare again (never reused here); once in no range
+    /// it waits in `Pool::doomed` to be released.
+    pub exported: bool,
 }
 
 /// The chunks held, and an index of the bare ones by size.
@@ -29,6 +33,11 @@ pub(crate) struct Pool {
     bare: BTreeSet<(u64, ChunkId)>,
     bare_pages: u64,
     held_pages: u64,
+    /// Exported chunks in no range (`put_bare` of an exported chunk): never reused, released
+    /// once mapped nowhere (`take_doomed`, `take_unmapped_bare`).
+    doomed: BTreeSet<ChunkId>,
+    /// Whether any chunk was ever exported: until then frees need not look.
+    any_exported: bool,
 }
 
 /// How a need of `pages` is cut into chunks no larger than `max_pages`: as many of the largest
@@ -48,7 +57,7 @@ pub(crate) fn chunk_plan(pages: u64, max_pages: u64) -> Vec<u64> {
 impl Pool {
     /// Records a new chunk, not yet bare (the caller is about to use it or calls `put_bare`).
     pub fn insert(&mut self, handle: ChunkHandle, pages: u64) -> ChunkId {
-        let chunk = Chunk { handle, pages, mappings: 0, bare: false };
+        let chunk = Chunk { handle, pages, mappings: 0, bare: false, exported: false };
         self.held_pages += pages;
         match self.free_ids.pop() {
             Some(id) => {
@@ -95,10 +104,46 @@ impl Pool {
         c.mappings -= 1;
     }
 
-    /// Makes a chunk bare: free to be stitched into any range.
+    /// Marks a chunk exported: from now on `put_bare` dooms it instead.
+    pub fn mark_exported(&mut self, id: ChunkId) {
+        self.get_mut(id).exported = true;
+        self.any_exported = true;
+    }
+
+    /// Whether any chunk was ever exported.
+    pub fn any_exported(&self) -> bool {
+        self.any_exported
+    }
+
+    /// Whether some doomed chunk is mapped nowhere (`take_doomed` would take it).
+    pub fn has_doomed_unmapped(&self) -> bool {
+        self.doomed.iter().any(|&id| self.get(id).mappings == 0)
+    }
+
+    /// Whether the chunk is doomed: exported, in no range, waiting to be released.
+    pub fn is_doomed(&self, id: ChunkId) -> bool {
+        self.doomed.contains(&id)
+    }
+
+    /// Takes every doomed chunk that is mapped nowhere, for release.
+    pub fn take_doomed(&mut self) -> Vec<ChunkId> {
+        let out: Vec<ChunkId> =
+            self.doomed.iter().copied().filter(|&id| self.get(id).mappings == 0).collect();
+        for id in &out {
+            self.doomed.remove(id);
+        }
+        out
+    }
+
+    /// Makes a chunk bare: free to be stitched into any range. An exported chunk is doomed
+    /// instead: never reused, released once mapped nowhere.
     pub fn put_bare(&mut self, id: ChunkId) {
         let c = self.get_mut(id);
         debug_assert!(!c.bare);
+        if c.exported {
+            self.doomed.insert(id);
+            return;
+        }
         c.bare = true;
         let pages = c.pages;
         self.bare.insert((pages, id));
@@ -152,8 +197,12 @@ impl Pool {
         self.bare.range((pages + 1, 0)..).next().is_some()
     }
 
-    /// Takes any bare chunk that is mapped nowhere (for releasing memory).
+    /// Takes any bare or doomed chunk that is mapped nowhere (for releasing memory).
     pub fn take_unmapped_bare(&mut self) -> Option<ChunkId> {
+        if let Some(&id) = self.doomed.iter().find(|&&id| self.get(id).mappings == 0) {
+            self.doomed.remove(&id);
+            return Some(id);
+        }
         let &(p, id) = self.bare.iter().find(|&&(_, id)| self.get(id).mappings == 0)?;
         Some(self.unbare(p, id))
     }
@@ -176,6 +225,12 @@ impl Pool {
         let mut bare_pages = 0;
         let mut held = 0;
         let mut bare_count = 0;
+        for &id in &self.doomed {
+            match self.try_get(id) {
+                Some(c) if c.exported && !c.bare => {}
+                _ => return Err(format!("doomed chunk {id} is not an exported chunk out of use")),
+            }
+        }
         for (id, c) in self.iter() {
             held += c.pages;
             if c.bare {

@@ -193,6 +193,12 @@ impl Shared {
         }
     }
 
+    /// Whether a graph pool owns the block at `ptr`: freed, it is kept for the pool's next
+    /// allocations (`Allocator::export` refuses it).
+    pub(crate) fn graph_pool_owns(&self, ptr: DevicePtr) -> bool {
+        self.graphs_active.load(Ordering::Acquire) && self.with_graphs(|g| g.owns(ptr))
+    }
+
     /// A free of `ptr` on `stream` (`None`: a synchronous free) as the graph pools see it:
     /// `Some` outcome if they took it (a pool's block, or a free deferred to a capture's end),
     /// `None` for the heap to free it as usual.

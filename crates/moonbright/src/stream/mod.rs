@@ -725,8 +725,12 @@ impl Shared {
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
+        let doomed = heap.has_doomed();
         drop(heap);
         drop(mapping);
+        if doomed {
+            self.release_doomed();
+        }
         self.free_dead_growables();
         let mut heap = self.heap();
         match error {
@@ -771,16 +775,7 @@ impl Shared {
         }
         self.flush()?;
         let (claim, chunks) = self.heap().take_releasable();
-        let mut released = vec![false; chunks.len()];
-        let mut first_error = None;
-        for (i, &(_, handle, _)) in chunks.iter().enumerate() {
-            match self.driver.release_chunk(handle) {
-                Ok(()) => released[i] = true,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
+        let (released, first_error) = self.release_chunks(&chunks);
         let page = self.driver.granularity() as u64;
         let bytes: u64 =
             chunks.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
@@ -791,6 +786,40 @@ impl Shared {
             Some(e) => Err(e.into()),
             None => stranded.map(|()| bytes),
         }
+    }
+
+    /// Releases `chunks` (taken out for release, without the heap lock): which went, and the
+    /// first error.
+    fn release_chunks(
+        &self,
+        chunks: &[(crate::core::pool::ChunkId, crate::driver::ChunkHandle, u64)],
+    ) -> (Vec<bool>, Option<DriverError>) {
+        let mut released = vec![false; chunks.len()];
+        let mut first_error = None;
+        for (i, &(_, handle, _)) in chunks.iter().enumerate() {
+            match self.driver.release_chunk(handle) {
+                Ok(()) => released[i] = true,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        (released, first_error)
+    }
+
+    /// Gives back to the driver the exported chunks that were freed and are now unmapped
+    /// (`Heap::take_doomed`): another process may still map them, so they are never reused
+    /// here. A failed release keeps the chunk doomed (retried after the next unmap batch, or by
+    /// `release_unused`) and is recorded as a deferred error.
+    fn release_doomed(&self) {
+        let (claim, chunks) = self.heap().take_doomed();
+        let (released, first_error) = self.release_chunks(&chunks);
+        let mut heap = self.heap();
+        heap.commit_releases(claim, chunks, &released);
+        if let Some(e) = first_error {
+            heap.note_deferred_error(e);
+        }
+        self.validated(&heap);
     }
 
     /// Unmaps and releases everything; reports allocations still live and driver errors on

@@ -14,6 +14,11 @@ use crate::error::Result;
 
 impl Heap {
     pub(super) fn cache_range(&mut self, id: RangeId) {
+        if self.holds_exported(id) {
+            // Exported memory is never reused here: another process may still map it.
+            self.discard_range(id, None);
+            return;
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
         let (pages, va) = (self.range(id).pages, self.range(id).va);

@@ -241,8 +241,12 @@ impl Heap {
         }
         for (c, chunk) in self.pool.iter() {
             let owned = owners.get(&c).copied().unwrap_or(0);
-            if owned + chunk.bare as u32 != 1 {
-                return Err(format!("chunk {c} has {owned} owners and bare={}", chunk.bare));
+            let doomed = self.pool.is_doomed(c);
+            if owned + chunk.bare as u32 + doomed as u32 != 1 {
+                return Err(format!(
+                    "chunk {c} has {owned} owners, bare={} and doomed={doomed}",
+                    chunk.bare
+                ));
             }
             let found = maps.get(&c).copied().unwrap_or(0);
             if found != chunk.mappings {
