@@ -157,7 +157,7 @@ def test_nvrtc_missing_says_where_it_looked():
     r = run_py("""
         import moonbright
         try:
-            moonbright.nvrtc_version()
+            print(moonbright.nvrtc_version())
         except RuntimeError as e:
             print("error:", e)
     """, {"MOONBRIGHT_NVRTC": "/nonexistent/libnvrtc.so.13"})

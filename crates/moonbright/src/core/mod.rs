@@ -8,6 +8,7 @@ pub mod history;
 pub(crate) mod mapping;
 pub(crate) mod pool;
 pub(crate) mod sizes;
+pub(crate) mod sorted;
 pub mod stats;
 pub(crate) mod streams;
 pub(crate) mod subpage;

@@ -17,6 +17,7 @@ use foldhash::HashMap;
 #[cfg(loom)]
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
+use super::sorted::SortedMap;
 use crate::driver::EventHandle;
 
 /// The heap's stream for requests on no stream (`malloc`, and a graph pool's new blocks): no
@@ -93,44 +94,48 @@ impl Items {
     }
 }
 
-/// A stream's pending ranges by size: for each page count, (address, sequence number) in
-/// order, so that the lowest-addressed range of a size is the first of its list (a deque: the
-/// first is what a request takes, the last what a free of a higher address adds). Lists of
-/// sizes no longer pending are kept for reuse (a training step frees and asks for the same
-/// sizes again), and dropped once they outnumber the sizes in use.
+/// A stream's pending ranges by size: for each page count, address -> sequence number (addresses
+/// are unique among pending ranges), so that the lowest-addressed range of a size is the first
+/// of its map. Maps of sizes no longer pending are kept for reuse (a training step frees and asks
+/// for the same sizes again), and dropped once they outnumber the sizes in use.
 #[derive(Debug, Default)]
 struct RangesBySize {
-    by_pages: HashMap<u64, VecDeque<(u64, u64)>>,
+    by_pages: HashMap<u64, SortedMap<u64>>,
     sizes_in_use: usize,
 }
 
 impl RangesBySize {
     fn insert(&mut self, pages: u64, va: u64, seq: u64) {
-        let list = self.by_pages.entry(pages).or_default();
-        if list.is_empty() {
+        let map = self.by_pages.entry(pages).or_default();
+        if map.len() == 0 {
             self.sizes_in_use += 1;
         }
-        let at = list.partition_point(|&x| x < (va, seq));
-        list.insert(at, (va, seq));
+        map.insert(va, seq);
     }
 
     fn remove(&mut self, pages: u64, va: u64, seq: u64) {
-        let Some(list) = self.by_pages.get_mut(&pages) else {
+        let Some(map) = self.by_pages.get_mut(&pages) else {
             return;
         };
-        if let Ok(i) = list.binary_search(&(va, seq)) {
-            list.remove(i);
-            if list.is_empty() {
-                self.sizes_in_use -= 1;
-                if self.by_pages.len() > 4 * self.sizes_in_use + 64 {
-                    self.by_pages.retain(|_, l| !l.is_empty());
-                }
+        if map.get(va) != Some(&seq) {
+            return;
+        }
+        map.remove(va);
+        if map.len() == 0 {
+            self.sizes_in_use -= 1;
+            if self.by_pages.len() > 4 * self.sizes_in_use + 64 {
+                self.by_pages.retain(|_, m| m.len() > 0);
             }
         }
     }
 
     fn first(&self, pages: u64) -> Option<(u64, u64)> {
-        self.by_pages.get(&pages)?.front().copied()
+        self.by_pages.get(&pages)?.first().map(|(va, &seq)| (va, seq))
+    }
+
+    /// (pages, address, sequence number) of every range, for checks.
+    fn all(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.by_pages.iter().flat_map(|(&p, m)| m.iter().map(move |(va, &seq)| (p, va, seq)))
     }
 }
 
@@ -397,6 +402,52 @@ impl StreamFrees {
         done.into_iter().map(|s| self.remove(s)).collect()
     }
 
+    /// Checks the bookkeeping of the items: sequence numbers increasing, no hole at either end
+    /// of the deque, the count, and the size index and page count matching the ranges.
+    pub fn check(&self) -> Result<(), String> {
+        let slots = &self.items.slots;
+        if slots.iter().zip(slots.iter().skip(1)).any(|(a, b)| a.0 >= b.0) {
+            return Err("pending items out of sequence order".into());
+        }
+        if slots.front().is_some_and(|s| s.1.is_none())
+            || slots.back().is_some_and(|s| s.1.is_none())
+        {
+            return Err("a hole at an end of the pending items".into());
+        }
+        if slots.iter().filter(|s| s.1.is_some()).count() != self.items.len {
+            return Err("pending item count drifted".into());
+        }
+        let mut ranges: Vec<(u64, u64, u64)> = self
+            .items
+            .iter()
+            .filter_map(|(seq, it)| match it.what {
+                Pending::Range { pages, va, .. } => Some((pages, va, seq)),
+                _ => None,
+            })
+            .collect();
+        let mut indexed: Vec<(u64, u64, u64)> = self.ranges_by_size.all().collect();
+        ranges.sort_unstable();
+        indexed.sort_unstable();
+        if ranges != indexed {
+            return Err(format!(
+                "the size index holds {} ranges for {} pending",
+                indexed.len(),
+                ranges.len()
+            ));
+        }
+        let in_use = self.ranges_by_size.by_pages.values().filter(|m| m.len() > 0).count();
+        if in_use != self.ranges_by_size.sizes_in_use {
+            return Err("the size index's count of sizes drifted".into());
+        }
+        for m in self.ranges_by_size.by_pages.values() {
+            m.check()?;
+        }
+        if ranges.iter().map(|r| r.0).sum::<u64>() != self.range_pages {
+            return Err("pending range pages drifted".into());
+        }
+        Ok(())
+    }
+
     /// Every item, for checks.
     pub fn items(&self) -> impl Iterator<Item = Pending> + '_ {
         self.items.iter().map(|(_, it)| it.what)
@@ -594,14 +645,16 @@ mod tests {
     #[test]
     fn ranges_by_size_give_the_lowest_address_and_forget_sizes_gone() {
         let mut r = RangesBySize::default();
-        for (va, seq) in [(500, 1), (100, 2), (300, 3), (100, 4)] {
+        for (va, seq) in [(500, 1), (100, 2), (300, 3), (200, 4)] {
             r.insert(4, va, seq);
         }
         r.insert(2, 50, 5);
         assert_eq!(r.first(4), Some((100, 2)));
         r.remove(4, 100, 2);
-        assert_eq!(r.first(4), Some((100, 4)));
-        r.remove(4, 100, 4);
+        assert_eq!(r.first(4), Some((200, 4)));
+        r.remove(4, 200, 7); // another sequence number at that address: nothing happens
+        assert_eq!(r.first(4), Some((200, 4)));
+        r.remove(4, 200, 4);
         r.remove(4, 999, 9); // not there: nothing happens
         assert_eq!(r.first(4), Some((300, 3)));
         assert_eq!(r.first(2), Some((50, 5)));
@@ -615,6 +668,17 @@ mod tests {
         assert_eq!(r.sizes_in_use, 2);
         assert!(r.by_pages.len() <= 4 * 2 + 64 + 1, "{} lists kept", r.by_pages.len());
         assert_eq!(r.first(4), Some((300, 3)));
+        // Thousands of one size, in a scrambled order: the lowest address first throughout.
+        let vas: Vec<u64> = (0..5_000u64).map(|i| (i * 7_919) % 5_000 + 1_000).collect();
+        for (i, &va) in vas.iter().enumerate() {
+            r.insert(8, va, 10_000 + i as u64);
+        }
+        for want in 1_000..6_000u64 {
+            let (va, seq) = r.first(8).expect("pending");
+            assert_eq!(va, want);
+            r.remove(8, va, seq);
+        }
+        assert_eq!(r.first(8), None);
     }
 
     #[test]

@@ -89,6 +89,9 @@ impl Heap {
     pub fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         self.sub.check()?;
+        for (stream, frees) in self.streams.iter() {
+            frees.check().map_err(|e| format!("stream {stream:#x}: {e}"))?;
+        }
         self.carved.check()?;
         let page = self.lim.page;
         // Each chunk is in exactly one place: a live, pending or cached range, the window, a plan
