@@ -361,8 +361,10 @@ impl Allocator {
     /// they are never reused here: once the allocation is freed (and unmapped) they go back to
     /// the driver. A block carved from an arena (below a page, or cut from cached chunks under
     /// option `carve`) shares its chunks with other allocations, and a graph pool's block is
-    /// reused by the pool once freed: both are refused (`Error::Ipc`; docs/security.md). Needs option `ipc` (on by default) and a driver that
-    /// gives POSIX file descriptor handles.
+    /// reused by the pool once freed: both are refused (`Error::Ipc`; docs/security.md). The
+    /// chunks are marked before the driver exports them, so a failed export still sends them
+    /// back to the driver when freed (a little memory, never safety). Needs option `ipc` (on by
+    /// default) and a driver that gives POSIX file descriptor handles.
     pub fn export(&self, ptr: DevicePtr) -> Result<Export> {
         let driver = self.driver();
         if !self.options().ipc || !driver.shareable() {
@@ -379,14 +381,15 @@ impl Allocator {
                  is not exported"
             )));
         }
-        let shared = self.shared.heap().shared_chunks(ptr)?;
+        let shared = self.shared.heap().shared_chunks(ptr, true)?;
         // The driver calls run without the heap lock; the allocation must be unchanged after.
         let chunks = shared
             .chunks
             .iter()
             .map(|&(handle, bytes)| driver.export_chunk(handle, bytes as usize))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        if self.shared.heap().shared_chunks(ptr).as_ref() != Ok(&shared) {
+        // Checked without marking: another allocation at `ptr` by now is not being exported.
+        if self.shared.heap().shared_chunks(ptr, false).as_ref() != Ok(&shared) {
             return Err(Error::Ipc(format!("{ptr:#x} was freed while it was being exported")));
         }
         let device = self.device().unwrap_or(0);

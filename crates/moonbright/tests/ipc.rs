@@ -198,6 +198,60 @@ fn freed_exported_memory_goes_back_to_the_driver_and_never_to_another_allocation
 }
 
 #[test]
+fn freed_exported_memory_does_not_count_against_the_cap_for_long() {
+    let _one = one_at_a_time();
+    let a = host(8);
+    let b = host(8);
+    let p = a.malloc(6 * PAGE).unwrap();
+    let q = b.import(&a.export(p).unwrap()).unwrap();
+    a.free(p).unwrap();
+    // Six of the eight pages are doomed (exported, freed, not yet released): a request of six
+    // gives them back to the driver first rather than fail.
+    let again = a.malloc(6 * PAGE).unwrap();
+    a.check_invariants().unwrap();
+    a.free(again).unwrap();
+    b.close_import(q).unwrap();
+}
+
+#[test]
+fn an_exported_growables_shrunk_tail_is_not_reused_by_its_stream() {
+    let _one = one_at_a_time();
+    let a = host(8);
+    let b = host(8);
+    // A stream the host backend cannot record on: its frees stay pending, so the shrunk tail
+    // stays in the quarantine, where the stream itself could take it back at once.
+    let s = moonbright::StreamHandle(9);
+    let g = a.reserve_growable(6 * PAGE).unwrap();
+    // Grown twice, it holds two chunks: the second one can be given back.
+    a.resize_async(g, 2 * PAGE, s).unwrap();
+    a.resize_async(g, 6 * PAGE, s).unwrap();
+    a.write(g, &pattern(6 * PAGE, 4)).unwrap();
+    let q = b.import(&a.export(g).unwrap()).unwrap();
+    a.resize_async(g, 2 * PAGE, s).unwrap();
+    let committed = a.growable_info(g).unwrap().committed as usize;
+    assert_eq!(committed, 2 * PAGE, "the shrink gave the second chunk back");
+    // Only the exported tail could serve this request: it must fail rather than take it.
+    let rest = 8 * PAGE - committed;
+    match a.malloc_async(rest, s) {
+        Err(Error::OutOfMemory { .. }) => {}
+        Ok(p) => {
+            a.write(p, &pattern(rest, 66)).unwrap();
+            let mut seen = vec![0u8; 6 * PAGE];
+            b.read(q, &mut seen).unwrap();
+            assert_eq!(seen, pattern(6 * PAGE, 4), "the stream reused the exported tail");
+            a.free_async(p, s).unwrap();
+        }
+        Err(e) => panic!("{e}"),
+    }
+    let mut seen = vec![0u8; 6 * PAGE];
+    b.read(q, &mut seen).unwrap();
+    assert_eq!(seen, pattern(6 * PAGE, 4));
+    a.check_invariants().unwrap();
+    b.close_import(q).unwrap();
+    a.free(g).unwrap();
+}
+
+#[test]
 fn a_graph_pools_block_is_not_exported() {
     let _one = one_at_a_time();
     let a = host(8);

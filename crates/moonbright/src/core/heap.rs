@@ -484,13 +484,14 @@ impl Heap {
 
     /// What exporting the live allocation (or growable) at `ptr` shares (`Allocator::export`):
     /// the chunks that back it, in address order, as (handle, bytes), only those its bytes lie
-    /// in; where it starts in the first; and its size. Marks them exported: from now on they
-    /// are never reused here, and once freed they go back to the driver (`Pool::put_bare`,
-    /// `discard_range`). A block carved from an arena (below a page, or cut from cached
-    /// chunks) shares its chunks with other allocations, which the importer would reach: it is
-    /// refused (docs/security.md). A growable shares the chunks committed now. Refuses any
-    /// other pointer as `free` would.
-    pub fn shared_chunks(&mut self, ptr: u64) -> Result<SharedChunks> {
+    /// in; where it starts in the first; and its size. With `mark`, marks them exported, before
+    /// the driver exports them (so that a free meanwhile cannot hand them to another
+    /// allocation): from then on they are never reused here, and once freed they go back to
+    /// the driver (`Pool::put_bare`, `discard_range`), even if the export then fails. A block
+    /// carved from an arena (below a page, or cut from cached chunks) shares its chunks with
+    /// other allocations, which the importer would reach: it is refused (docs/security.md). A
+    /// growable shares the chunks committed now. Refuses any other pointer as `free` would.
+    pub fn shared_chunks(&mut self, ptr: u64, mark: bool) -> Result<SharedChunks> {
         if let Some(live) = self.live.get(&ptr).filter(|l| !l.pooled) {
             let id = match live.backing {
                 Backing::Range(id) => id,
@@ -518,7 +519,7 @@ impl Heap {
             };
             let size = live.size;
             let chunks = self.range(id).chunks.to_vec();
-            let shared = self.export_covering(&chunks, size);
+            let shared = self.export_covering(&chunks, size, mark);
             return Ok(SharedChunks { chunks: shared, offset: 0, size });
         }
         if let Ok(g) = self.live_growable(ptr) {
@@ -528,22 +529,29 @@ impl Heap {
                 )));
             }
             let (chunks, size) = (g.chunks.clone(), g.size);
-            let shared = self.export_covering(&chunks, size.max(1));
+            let shared = self.export_covering(&chunks, size.max(1), mark);
             return Ok(SharedChunks { chunks: shared, offset: 0, size });
         }
         Err(self.classify_bad_free(ptr))
     }
 
     /// The leading chunks of `chunks` that `size` bytes from the first's start lie in, as
-    /// (handle, bytes), marked exported.
-    fn export_covering(&mut self, chunks: &[ChunkId], size: u64) -> Vec<(ChunkHandle, u64)> {
+    /// (handle, bytes); with `mark`, marked exported.
+    fn export_covering(
+        &mut self,
+        chunks: &[ChunkId],
+        size: u64,
+        mark: bool,
+    ) -> Vec<(ChunkHandle, u64)> {
         let mut out = Vec::new();
         let mut covered = 0;
         for &c in chunks {
             if covered >= size {
                 break;
             }
-            self.pool.mark_exported(c);
+            if mark {
+                self.pool.mark_exported(c);
+            }
             let bytes = self.bytes(self.pool.get(c).pages);
             out.push((self.pool.get(c).handle, bytes));
             covered += bytes;
@@ -566,6 +574,12 @@ impl Heap {
         }
         let len = self.bytes(range.pages);
         self.retire_after(range.va, len, range.chunks.into_vec(), after);
+    }
+
+    /// How many exported chunks wait to be released, still mapped by retired ranges or not: held
+    /// memory no request can use until they go.
+    pub fn doomed_chunks(&self) -> usize {
+        self.pool.doomed_count()
     }
 
     /// Whether an exported chunk waits, unmapped, to be released (`take_doomed`).

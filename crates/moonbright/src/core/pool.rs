@@ -120,6 +120,11 @@ impl Pool {
         self.doomed.iter().any(|&id| self.get(id).mappings == 0)
     }
 
+    /// How many chunks are doomed (exported, in no range, waiting to be released), mapped or not.
+    pub fn doomed_count(&self) -> usize {
+        self.doomed.len()
+    }
+
     /// Whether the chunk is doomed: exported, in no range, waiting to be released.
     pub fn is_doomed(&self, id: ChunkId) -> bool {
         self.doomed.contains(&id)

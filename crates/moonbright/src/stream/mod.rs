@@ -523,13 +523,23 @@ impl Shared {
     }
 
     /// What a request short of memory, with nothing in flight (`Step::Wait` covers that), tries
-    /// before it reports OOM: waiting once for every stream's pending frees. Returns whether to
-    /// plan again.
+    /// before it reports OOM: waiting once for every stream's pending frees, then giving freed
+    /// exported memory back to the driver. Returns whether to plan again.
     fn before_oom(&self, waited: &mut bool) -> Result<bool> {
         if !*waited && self.heap().has_pending_frees() {
             *waited = true;
             self.wait_for_pending_frees()?;
             return Ok(true);
+        }
+        // Exported memory freed (doomed chunks) counts against the cap until it goes back to
+        // the driver, which an unmap batch would do later: do it now, and try again if any went.
+        let doomed = self.heap().doomed_chunks();
+        if doomed > 0 {
+            self.flush_only(None)?;
+            if self.heap().has_doomed() {
+                self.release_doomed();
+            }
+            return Ok(self.heap().doomed_chunks() < doomed);
         }
         Ok(false)
     }

@@ -56,12 +56,13 @@ impl Heap {
     }
 
     /// Pages free for a new range on `stream`: those free for everyone, and the chunks the
-    /// stream itself gave back that wait in the quarantine.
+    /// stream itself gave back that wait in the quarantine (not exported ones: those go back to
+    /// the driver, never to another allocation).
     pub(super) fn free_pages_for(&self, stream: u64) -> u64 {
         let own: u64 = self
             .quarantine
             .iter()
-            .filter(|q| q.1 == stream)
+            .filter(|q| q.1 == stream && !self.pool.get(q.0).exported)
             .map(|q| self.pool.get(q.0).pages)
             .sum();
         let pending = self.streams.get(stream).map_or(0, |f| f.range_pages());
@@ -138,12 +139,16 @@ impl Heap {
                 continue;
             }
             // Chunks the stream itself gave back (a growable's shrink): stream order makes them
-            // safe for it at once. If the plan fails they return to the quarantine.
+            // safe for it at once. If the plan fails they return to the quarantine. Exported
+            // ones wait there to be doomed, never reused: an importer may still map them.
             let own = self
                 .quarantine
                 .iter()
                 .enumerate()
-                .filter(|(_, q)| q.1 == stream && self.pool.get(q.0).pages <= left)
+                .filter(|(_, q)| {
+                    let c = self.pool.get(q.0);
+                    q.1 == stream && c.pages <= left && !c.exported
+                })
                 .max_by_key(|(_, q)| self.pool.get(q.0).pages)
                 .map(|(i, _)| i);
             if let Some(i) = own {
