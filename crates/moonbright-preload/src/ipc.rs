@@ -767,11 +767,17 @@ mod tests {
         });
     }
 
-    /// A host allocator's export of a fresh allocation, and the allocator.
+    /// A host allocator's export of a fresh allocation, and the allocator. The allocator lives
+    /// for the rest of the process (brokers' threads hold it), listed in a static so that the
+    /// leak checker sees it reachable once those threads have ended.
     fn exported() -> (&'static moonbright::Allocator, u64) {
+        static KEPT: std::sync::Mutex<Vec<&'static moonbright::Allocator>> =
+            std::sync::Mutex::new(Vec::new());
         let a = moonbright::Allocator::new(moonbright::Options::host(1 << 24, 1 << 16)).unwrap();
         let p = a.malloc(1 << 16).unwrap();
-        (Box::leak(Box::new(a)), p)
+        let a: &'static moonbright::Allocator = Box::leak(Box::new(a));
+        KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(a);
+        (a, p)
     }
 
     /// `b` serving a host allocator's exports (on a thread of its own), and the handle of an

@@ -213,13 +213,15 @@ pub extern "C" fn moonbright_free(
     }
     let r = catch_unwind(AssertUnwindSafe(|| {
         let a = allocator(device)?;
+        // Forgotten before the free: once freed, another thread may get the same address and
+        // note its own frames there.
+        stacks::forget_live(device as usize, ptr as u64);
         let free = || a.free_async(ptr as u64, StreamHandle(stream as u64));
         match stacks::for_free() {
             0 => free(),
             stack => history::with_context(stack, free),
         }
         .map_err(|e| format!("device {device}: {e}"))?;
-        stacks::forget_live(device as usize, ptr as u64);
         Ok(())
     }));
     let msg = match r {
@@ -985,9 +987,9 @@ fn set_graph_pool_live(
 #[pyo3(signature = (ptr, stream, device=None))]
 fn free_async(ptr: u64, stream: u64, device: Option<i32>) -> PyResult<()> {
     let d = default_device(device)?;
-    get(Some(d))?.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))?;
-    stacks::forget_live(d as usize, ptr);
-    Ok(())
+    let a = get(Some(d))?;
+    stacks::forget_live(d as usize, ptr); // before: the address may be reused once freed
+    a.free_async(ptr, StreamHandle(stream)).map_err(|e| py_err(e.to_string()))
 }
 
 /// (blocks, bytes) that graph pools hold free for their graphs on `device`.
