@@ -214,6 +214,32 @@ fn freed_exported_memory_does_not_count_against_the_cap_for_long() {
 }
 
 #[test]
+fn a_failed_release_of_freed_exported_memory_is_reported_and_retried() {
+    let _one = one_at_a_time();
+    let a = host(8);
+    let p = a.malloc(2 * PAGE).unwrap();
+    drop(a.export(p).unwrap());
+    a.free(p).unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    let released = a.stats().driver_calls.get(CallKind::Release);
+    a.driver().fail_nth(CallKind::Release, 1, None);
+    // The unmap goes through; the release of the doomed chunk fails: a deferred error, and the
+    // chunk stays held, doomed, never reused.
+    a.flush().unwrap();
+    match a.take_deferred_error() {
+        Some(e) => assert_eq!(e.call, CallKind::Release),
+        None => panic!("the failed release was not reported"),
+    }
+    assert_eq!(a.stats().reserved_bytes.current, reserved);
+    a.check_invariants().unwrap();
+    // The next release of unused memory retries it.
+    a.release_unused().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, reserved - 2 * PAGE as u64);
+    assert!(a.stats().driver_calls.get(CallKind::Release) > released);
+    a.check_invariants().unwrap();
+}
+
+#[test]
 fn an_exported_growables_shrunk_tail_is_not_reused_by_its_stream() {
     let _one = one_at_a_time();
     let a = host(8);

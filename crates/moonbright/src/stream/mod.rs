@@ -735,6 +735,11 @@ impl Shared {
         let mut heap = self.heap();
         heap.commit_unmap(runs, done, error.clone());
         self.validated(&heap);
+        if error.is_some() {
+            // Reported here, to the caller who asked for the flush, not again later. Taken now,
+            // before a failed release of doomed chunks below can record its own.
+            heap.take_deferred_error();
+        }
         let doomed = heap.has_doomed();
         drop(heap);
         drop(mapping);
@@ -742,13 +747,8 @@ impl Shared {
             self.release_doomed();
         }
         self.free_dead_growables();
-        let mut heap = self.heap();
         match error {
-            Some(e) => {
-                // Reported here: the caller asked for the flush.
-                heap.take_deferred_error();
-                Err(e.into())
-            }
+            Some(e) => Err(e.into()),
             None => Ok((true, stopped)),
         }
     }
