@@ -11,8 +11,11 @@ Reported per workload and configuration: steps (or tokens) per second, median an
 the rounds, the ratio of the medians to PyTorch's default allocator, and the median of each
 round's own ratio to PyTorch's turn in that round (drift slower than a round cancels out of
 it: more rounds of fewer steps, ``--rounds 15 --steps 10``, measure it more finely); peak reserved and peak
-allocated bytes; allocations per step; for MoonBright, its driver calls per step in the timed
-steps; and, with ``--kernels``, the GPU's kernel time per step (PyTorch's profiler), which says
+allocated bytes; allocations per step; the CPU's work per step, as process CPU time and as
+user-space instructions retired by every thread (``perf_event_open``, where allowed), each with
+its paired ratio to PyTorch's turn (these do not move with the machine's clock rate or with time
+its CPUs were lent elsewhere, which make wall-clock rounds spread); for MoonBright, its driver
+calls per step in the timed steps; and, with ``--kernels``, the GPU's kernel time per step (PyTorch's profiler), which says
 whether a step is bound by the device or by the CPU's launch rate. ``--micro`` adds the CPU
 cost of one allocation and one free through PyTorch's allocator interface
 (``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``) for every configuration
@@ -269,6 +272,47 @@ def kernel_ms_per_step(torch, w: Workload, steps: int) -> float:
     return us / 1000.0 / steps
 
 
+class Instructions:
+    """User-space instructions retired by this process and every thread it starts afterwards
+    (``perf_event_open``, inherited), or None where the kernel or a sandbox refuses it. Unlike
+    time, the count does not move with the clock rate or with time the CPU was lent elsewhere,
+    so it compares the CPU work of one step under two allocators on a noisy machine."""
+
+    # linux/perf_event.h: PERF_TYPE_HARDWARE, PERF_COUNT_HW_INSTRUCTIONS, and the attr flag
+    # bits inherit (1), exclude_kernel (5), exclude_hv (6).
+    _FLAGS = (1 << 1) | (1 << 5) | (1 << 6)
+    _SYSCALL = {"x86_64": 298, "aarch64": 241}
+
+    def __init__(self) -> None:
+        import ctypes
+        import platform
+        import struct
+
+        self.fd = None
+        self.error = None
+        nr = self._SYSCALL.get(platform.machine())
+        if nr is None:
+            self.error = f"no perf_event_open number for {platform.machine()}"
+            return
+        attr = bytearray(128)  # PERF_ATTR_SIZE_VER8 and below fit; the rest stays zero
+        struct.pack_into("IIQ", attr, 0, 0, len(attr), 1)
+        struct.pack_into("Q", attr, 40, self._FLAGS)
+        buf = (ctypes.c_char * len(attr)).from_buffer(attr)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        fd = libc.syscall(ctypes.c_long(nr), buf, ctypes.c_int(0), ctypes.c_int(-1),
+                          ctypes.c_int(-1), ctypes.c_ulong(8))  # PERF_FLAG_FD_CLOEXEC
+        if fd < 0:
+            self.error = f"perf_event_open: {os.strerror(ctypes.get_errno())}"
+        else:
+            self.fd = fd
+
+    def read(self) -> int | None:
+        if self.fd is None:
+            return None
+        return int.from_bytes(os.read(self.fd, 8), "little")
+
+
 def worker(args) -> int:
     # The protocol goes over the original stdout; everything printed after goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -279,6 +323,7 @@ def worker(args) -> int:
         proto.write(json.dumps(kw) + "\n")
 
     t_start = time.perf_counter()
+    instructions = Instructions()  # before torch starts threads, so that they are counted
     import torch
 
     moonbright = None
@@ -317,8 +362,12 @@ def worker(args) -> int:
                 a0 = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
                 m0 = mb_counters(moonbright) if moonbright else {}
                 t0 = time.perf_counter()
+                c0, i0 = time.process_time(), instructions.read()
                 for _ in range(cmd["steps"]):
                     w.step()
+                # The CPU's work for the steps: every thread's, up to the last launch (the
+                # wait for the GPU below would add spinning that depends on the GPU's lag).
+                c1, i1 = time.process_time(), instructions.read()
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 a1 = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
@@ -327,6 +376,9 @@ def worker(args) -> int:
                 per_step = {k: round((m1[k] - m0.get(k, 0)) / n, 2) for k in m1
                             if m1[k] != m0.get(k, 0)}
                 reply(rate=n * w.units_per_step / dt, step_ms=1000 * dt / n,
+                      cpu_ms_per_step=1000 * (c1 - c0) / n,
+                      instructions_per_step=(i1 - i0) / n if i0 is not None else None,
+                      instructions_error=instructions.error,
                       allocs_per_step=(a1 - a0) / n, moonbright_per_step=per_step)
             elif op == "kernels":
                 reply(kernel_ms_per_step=kernel_ms_per_step(torch, w, cmd["steps"]))
@@ -475,6 +527,15 @@ def run_workload(workload: str, configs: list[str], args) -> dict:
                   if "rate" in t and "rate" in b]
         if paired and c != "torch":
             rows[c]["paired_vs_torch"] = spread(paired)
+        # The CPU's work per step, and each round's ratio of it to PyTorch's (above 1: more).
+        for key in ("cpu_ms_per_step", "instructions_per_step"):
+            xs = [t[key] for t in turns[c] if t.get(key) is not None]
+            if xs:
+                rows[c][key] = spread(xs)
+            ratios = [t[key] / b[key] for t, b in zip(turns[c], turns.get("torch", []))
+                      if t.get(key) is not None and b.get(key)]
+            if ratios and c != "torch":
+                rows[c][key + "_vs_torch"] = spread(ratios)
     unit = "tokens" if workload == "llama" else "steps"
     return {"workload": workload, "unit": unit, "steps_per_turn": steps, "rows": rows}
 
@@ -495,9 +556,10 @@ def gib(x) -> str:
 def print_table(results: list[dict]) -> None:
     print()
     print("| workload | config | rate median (min-max) | vs torch | paired rounds vs torch | "
+          "CPU ms/step (paired vs torch) | user instructions M/step (paired vs torch) | "
           "peak reserved GiB | peak alloc GiB | allocs/step | MB driver calls/step | "
           "kernel ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for wl in results:
         for c, r in wl["rows"].items():
             rate = r["rate"]
@@ -508,8 +570,17 @@ def print_table(results: list[dict]) -> None:
             ks = r.get("kernel_ms_per_step")
             pr = r.get("paired_vs_torch")
             ptxt = f"{pr['median']:.3f} ({pr['min']:.3f}-{pr['max']:.3f})" if pr else "-"
+            cpu = r.get("cpu_ms_per_step")
+            ctxt = f"{cpu['median']:.2f}" if cpu else "-"
+            if r.get("cpu_ms_per_step_vs_torch"):
+                ctxt += f" ({r['cpu_ms_per_step_vs_torch']['median']:.3f})"
+            ins = r.get("instructions_per_step")
+            itxt = f"{ins['median'] / 1e6:.2f}" if ins else "-"
+            if r.get("instructions_per_step_vs_torch"):
+                v = r["instructions_per_step_vs_torch"]
+                itxt += f" ({v['median']:.4f}, {v['min']:.4f}-{v['max']:.4f})"
             print(f"| {wl['workload']} | {c} | {rtxt} | {r.get('rate_vs_torch', float('nan')):.3f} "
-                  f"| {ptxt} "
+                  f"| {ptxt} | {ctxt} | {itxt} "
                   f"| {gib(r.get('moonbright_peak_reserved') or r.get('peak_reserved'))} "
                   f"| {gib(r.get('peak_allocated'))} | {r['allocs_per_step'] or 0:.0f} | {calls} "
                   f"| {f'{ks:.2f}' if isinstance(ks, float) else '-'} |")
