@@ -34,6 +34,7 @@ mod growable;
 mod plan;
 mod unmap;
 use growable::Growable;
+pub use growable::GrowableInfo;
 pub(crate) use growable::Resize;
 
 /// Index of a range in the heap.

@@ -15,4 +15,5 @@ pub(crate) mod subpage;
 pub(crate) mod vaspace;
 pub(crate) mod window;
 
+pub use heap::GrowableInfo;
 pub use subpage::SUBPAGE_ALIGN;

@@ -12,13 +12,25 @@
 //! - **Release** shrinks to nothing; the reservation is freed once its last tail is unmapped.
 
 use super::{Heap, Step};
-use crate::allocator::GrowableInfo;
 use crate::core::history::{BlockInfo, BlockState, SegmentInfo};
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
 use crate::core::streams::Pending;
-use crate::driver::EventHandle;
+use crate::driver::{DevicePtr, EventHandle};
 use crate::error::{Error, Result};
+
+/// The sizes of a growable allocation, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrowableInfo {
+    /// Its address, fixed for its life.
+    pub base: DevicePtr,
+    /// Addresses reserved: the most it can grow to.
+    pub capacity: u64,
+    /// The size of the last resize.
+    pub size: u64,
+    /// Bytes backed by physical pages: `size` rounded up to the chunks that hold it.
+    pub committed: u64,
+}
 
 /// One growable allocation.
 #[derive(Debug)]
