@@ -8,13 +8,8 @@
 //! arenas), `unmap.rs` (unmap batches, releases, teardown), `check.rs` (segments and
 //! invariants) and `growable.rs` (growable allocations).
 
-use std::collections::{hash_map::Entry, BTreeMap, BTreeSet, VecDeque};
+use std::collections::{hash_map::Entry, BTreeMap};
 
-// Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
-// DoS-resistant one.
-use foldhash::{HashMap, HashMapExt};
-
-use super::chunks::Chunks;
 use super::history::{History, HistoryAction, HistoryEvent};
 use super::mapping::MapPlan;
 use super::pool::{ChunkId, Pool};
@@ -23,19 +18,27 @@ use super::stats::Stats;
 use super::streams::{Pending, Streams};
 use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, VaSpace};
-use super::window::Window;
 use crate::driver::{CallCounts, ChunkHandle, DriverError, EventHandle};
 use crate::error::{Error, Result};
 
 mod cache;
 mod carve;
 mod check;
+mod claims;
 mod growable;
+mod live;
 mod plan;
+mod ranges;
 mod unmap;
+mod window;
+use cache::Cache;
+use claims::{Claim, Claims};
 use growable::Growable;
 pub use growable::GrowableInfo;
 pub(crate) use growable::Resize;
+use live::{Backing, Live, LiveTable, RECENT_FREES};
+use ranges::{Range, Ranges, Use};
+use window::WindowBooks;
 
 /// Index of a range in the heap.
 pub(crate) type RangeId = u32;
@@ -58,8 +61,6 @@ pub(crate) enum Freed {
     CheckUses(Vec<u64>),
 }
 
-/// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
-const RECENT_FREES: usize = 4096;
 /// Room the tables requests insert into keep beyond what they hold, at least, once the worker
 /// has grown them ahead (`grow_tables_ahead`).
 const TABLE_HEADROOM: usize = 64;
@@ -151,66 +152,6 @@ fn chunk_run(
 /// (`StreamFrees::event_to_record`): a burst of frees between two polls neither drains the
 /// event stock nor lists an event a free.
 const EVENTS_IN_FLIGHT: usize = 8;
-
-/// What a mapped range is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Use {
-    /// Backs one allocation of a page or more.
-    Alloc,
-    /// An arena of the sub-page allocator.
-    Arena,
-    /// A carved arena: blocks of a page or more cut out of a cached range (`Options::carve`).
-    Carved,
-    /// Freed on a stream whose work may still use it: only that stream may reuse it.
-    Pending,
-    /// An arena with no block in use whose space one stream still holds (`Emptied::held`): as
-    /// `Pending`, but its blocks' frees are in the history already, and no allocation's is.
-    PendingArena,
-    /// Free, still mapped, reusable as it is; `seq` orders the cache from least recently freed.
-    Cached { seq: u64 },
-}
-
-/// Chunks mapped back to back at `va`.
-#[derive(Clone, Debug)]
-struct Range {
-    va: u64,
-    pages: u64,
-    chunks: Chunks,
-    use_: Use,
-}
-
-/// Where a live allocation lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backing {
-    Range(RangeId),
-    Sub { arena: RangeId, offset: u64 },
-}
-
-#[derive(Clone, Debug)]
-struct Live {
-    size: u64,
-    rounded: u64,
-    stream: u64,
-    backing: Backing,
-    /// Other streams whose work uses it (`record_use`), if any: a free on a stream waits for
-    /// them too.
-    uses: Vec<u64>,
-    /// Freed by its user into the graph pool that owns it (`pool_keep`): still the pool's and
-    /// mapped, but no longer counted as allocated or active, nor shown as a block in use.
-    pooled: bool,
-}
-
-/// What a plan in flight, or a release in flight, holds until it commits.
-#[derive(Debug, Default)]
-struct Claim {
-    /// Chunks neither bare nor in a range meanwhile.
-    chunks: Vec<ChunkId>,
-    /// The plan's fresh addresses (va, len); none for a release.
-    va: Option<(u64, u64)>,
-    /// Chunks it took from its stream's pending frees: (chunk, stream, epoch). If the plan
-    /// fails they are quarantined, not made bare.
-    same_stream: Vec<(ChunkId, u64, u64)>,
-}
 
 /// The chunks behind one allocation, for an export (`Heap::shared_chunks`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -311,69 +252,9 @@ pub(crate) enum Fast {
     NeedRange { pages: u64, arena: bool },
 }
 
-#[derive(Debug)]
-pub(crate) struct Heap {
-    lim: Limits,
-    pool: Pool,
-    va: VaSpace,
-    sub: SubPage,
-    /// Carved arenas: runs of cached chunks cut page-granular into allocations of a
-    /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
-    /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
-    carved: SubPage,
-    streams: Streams,
-    window: Window,
-    /// The address slab the window grows in: (next, end).
-    window_slab: (u64, u64),
-    ranges: Vec<Option<Range>>,
-    free_range_ids: Vec<RangeId>,
-    /// Live, pending and cached ranges by base address.
-    by_va: BTreeMap<u64, RangeId>,
-    /// Cached ranges as (pages, address, seq), seq -> range in freeing order, and address ->
-    /// (seq, pages, range).
-    cached_by_size: BTreeSet<(u64, u64, u64)>,
-    cached_lru: BTreeMap<u64, RangeId>,
-    cached_by_va: BTreeMap<u64, (u64, u64, RangeId)>,
-    /// Groups of cached neighbours: each run of two or more cached ranges back to back in one
-    /// reservation, as start -> end, and as (pages, start) for `split_joined`, which so finds
-    /// the smallest group large enough with no scan of the cache.
-    cached_groups: BTreeMap<u64, u64>,
-    cached_groups_by_size: BTreeSet<(u64, u64)>,
-    cached_pages: u64,
-    next_seq: u64,
-    live: HashMap<u64, Live>,
-    /// Recently freed pointers, to tell a double free from an unknown pointer: pointer -> the
-    /// generation of its last free, and the frees in order (stale entries are skipped when
-    /// they reach the front), so both remembering and forgetting cost O(1).
-    recent_frees: VecDeque<(u64, u64)>,
-    recent_free_gen: HashMap<u64, u64>,
-    free_generation: u64,
-    /// What plans and releases in flight hold, by plan id.
-    inflight: HashMap<u64, Claim>,
-    /// Chunks that only become bare once their stream's epoch has completed.
-    quarantine: Vec<(ChunkId, u64, u64)>,
-    inflight_create_pages: u64,
-    next_plan: u64,
-    /// Retired runs being unmapped with the lock released.
-    unmapping: usize,
-    /// Those of them inside growables' private reservations: (va, len).
-    unmapping_private: Vec<(u64, u64)>,
-    /// Growable allocations by base address (released ones until their addresses are unmapped).
-    growables: BTreeMap<u64, Growable>,
-    /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
-    fresh_pages: u64,
-    /// The largest of those requests since then, in pages (what the mapper shapes whole
-    /// window chunks by).
-    fresh_largest: u64,
-    /// When a request last finished mapping a range itself (the mapper keeps out of its way).
-    last_request_map: Option<crate::sync::Instant>,
-    /// Events the background worker created ahead of need, for frees on any stream that has no
-    /// spare event of its own, so that a burst of frees records events without creating them.
-    event_stock: Vec<EventHandle>,
-    /// Frees on streams (and shrinks) whose own event records are still to be settled: until
-    /// then their pages are neither free nor covered by an event anyone could wait for.
-    records_in_flight: u32,
-    stats: Stats,
+/// What the heap notes beside its books: reports, the cap's past, and recent request sizes.
+#[derive(Debug, Default)]
+struct Notes {
     /// The driver's call counts when accumulated statistics were last reset: `Allocator::stats`
     /// reports the calls made since.
     calls_at_reset: CallCounts,
@@ -385,8 +266,39 @@ pub(crate) struct Heap {
     over_cap: Option<u64>,
     history: Option<History>,
     /// Sizes of recent requests of a page or more: carving's larger budget for repeated sizes
-    /// (`Options::carve_repeated`).
+    /// (`Options::carve_repeated`) and smaller chunks for them (`max_chunk_repeated_bytes`).
     sizes: RecentSizes,
+}
+
+/// MoonBright's allocator state: the books (chunks, addresses, ranges, the cache, arenas,
+/// streams, live allocations, work in flight) and the placement policies run over them
+/// (`policy/`).
+#[derive(Debug)]
+pub(crate) struct Heap {
+    lim: Limits,
+    pool: Pool,
+    va: VaSpace,
+    sub: SubPage,
+    /// Carved arenas: runs of cached chunks cut page-granular into allocations of a
+    /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
+    /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
+    carved: SubPage,
+    /// Stream-ordered frees, and the events stocked for them.
+    streams: Streams,
+    /// The window, the address slab it grows in, and the demand the mapper shapes it by.
+    window: WindowBooks,
+    /// Live, pending, arena and cached ranges, by id and by address.
+    ranges: Ranges,
+    /// The cached ranges, indexed for the placement policies.
+    cache: Cache,
+    /// Live allocations and recently freed pointers.
+    live: LiveTable,
+    /// What plans, releases, unmap batches and event records in flight hold.
+    claims: Claims,
+    /// Growable allocations by base address (released ones until their addresses are unmapped).
+    growables: BTreeMap<u64, Growable>,
+    stats: Stats,
+    notes: Notes,
 }
 
 impl Heap {
@@ -398,40 +310,14 @@ impl Heap {
             sub: SubPage::default(),
             carved: SubPage::tracking_freed(),
             streams: Streams::default(),
-            window: Window::new(lim.page),
-            window_slab: (0, 0),
-            ranges: Vec::new(),
-            free_range_ids: Vec::new(),
-            by_va: BTreeMap::new(),
-            cached_by_size: BTreeSet::new(),
-            cached_lru: BTreeMap::new(),
-            cached_by_va: BTreeMap::new(),
-            cached_groups: BTreeMap::new(),
-            cached_groups_by_size: BTreeSet::new(),
-            cached_pages: 0,
-            next_seq: 0,
-            live: HashMap::new(),
-            recent_frees: VecDeque::new(),
-            recent_free_gen: HashMap::new(),
-            free_generation: 0,
-            inflight: HashMap::new(),
-            quarantine: Vec::new(),
-            inflight_create_pages: 0,
-            next_plan: 0,
-            unmapping: 0,
-            unmapping_private: Vec::new(),
+            window: WindowBooks::new(lim.page),
+            ranges: Ranges::default(),
+            cache: Cache::default(),
+            live: LiveTable::default(),
+            claims: Claims::default(),
             growables: BTreeMap::new(),
-            fresh_pages: 0,
-            fresh_largest: 0,
-            last_request_map: None,
-            event_stock: Vec::new(),
-            records_in_flight: 0,
             stats: Stats::default(),
-            calls_at_reset: CallCounts::default(),
-            deferred_error: None,
-            over_cap: None,
-            history: None,
-            sizes: RecentSizes::default(),
+            notes: Notes::default(),
         }
     }
 
@@ -445,8 +331,8 @@ impl Heap {
     /// caller releases what no allocation uses.
     pub fn set_cap(&mut self, cap: u64) {
         self.lim.cap = cap;
-        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages);
-        self.over_cap = (held > cap).then_some(held);
+        let held = self.bytes(self.pool.held_pages() + self.claims.create_pages);
+        self.notes.over_cap = (held > cap).then_some(held);
     }
 
     pub fn stats(&self) -> &Stats {
@@ -461,26 +347,26 @@ impl Heap {
     /// driver's call counts, becomes the base the reported counts start from.
     pub fn reset_accumulated(&mut self, calls_now: CallCounts) {
         self.stats.reset_accumulated();
-        self.calls_at_reset = calls_now;
+        self.notes.calls_at_reset = calls_now;
     }
 
     /// The driver's call counts at the last reset of accumulated statistics.
     pub fn calls_at_reset(&self) -> &CallCounts {
-        &self.calls_at_reset
+        &self.notes.calls_at_reset
     }
 
     pub fn take_deferred_error(&mut self) -> Option<DriverError> {
-        self.deferred_error.take()
+        self.notes.deferred_error.take()
     }
 
     pub fn note_deferred_error(&mut self, e: DriverError) {
         self.stats.deferred_errors += 1;
-        self.deferred_error = Some(e);
+        self.notes.deferred_error = Some(e);
     }
 
     /// The usable size of a live allocation (its rounded size), if `ptr` is one.
     pub fn usable_size(&self, ptr: u64) -> Option<u64> {
-        self.live.get(&ptr).map(|l| l.rounded)
+        self.live.allocs.get(&ptr).map(|l| l.rounded)
     }
 
     /// What exporting the live allocation (or growable) at `ptr` shares (`Allocator::export`):
@@ -493,7 +379,7 @@ impl Heap {
     /// other allocations, which the importer would reach: it is refused (docs/security.md). A
     /// growable shares the chunks committed now. Refuses any other pointer as `free` would.
     pub fn shared_chunks(&mut self, ptr: u64, mark: bool) -> Result<SharedChunks> {
-        if let Some(live) = self.live.get(&ptr).filter(|l| !l.pooled) {
+        if let Some(live) = self.live.allocs.get(&ptr).filter(|l| !l.pooled) {
             let id = match live.backing {
                 Backing::Range(id) => id,
                 Backing::Sub { arena, .. } => {
@@ -597,19 +483,19 @@ impl Heap {
             .into_iter()
             .map(|c| (c, self.pool.get(c).handle, self.pool.get(c).pages))
             .collect();
-        let id = self.next_plan;
-        self.next_plan += 1;
         let chunks = out.iter().map(|r| r.0).collect();
-        self.inflight.insert(id, Claim { chunks, ..Claim::default() });
+        let id = self.claims.add(Claim { chunks, ..Claim::default() });
         (id, out)
     }
 
+    #[inline]
     fn range(&self, id: RangeId) -> &Range {
-        self.ranges[id as usize].as_ref().expect("no such range")
+        self.ranges.get(id)
     }
 
+    #[inline]
     fn range_mut(&mut self, id: RangeId) -> &mut Range {
-        self.ranges[id as usize].as_mut().expect("no such range")
+        self.ranges.get_mut(id)
     }
 
     fn bytes(&self, pages: u64) -> u64 {
@@ -620,16 +506,16 @@ impl Heap {
 
     /// Starts recording up to `max` events (dropping the oldest), or stops with `None`.
     pub fn set_history(&mut self, max: Option<usize>) {
-        self.history = max.map(|m| History::new(m, crate::sync::Instant::now()));
+        self.notes.history = max.map(|m| History::new(m, crate::sync::Instant::now()));
     }
 
     /// The events recorded so far.
     pub fn history(&self) -> Vec<HistoryEvent> {
-        self.history.as_ref().map(History::events).unwrap_or_default()
+        self.notes.history.as_ref().map(History::events).unwrap_or_default()
     }
 
     fn note(&mut self, action: HistoryAction, addr: u64, size: u64, stream: u64) {
-        if let Some(h) = &mut self.history {
+        if let Some(h) = &mut self.notes.history {
             h.push(action, addr, size, stream);
         }
     }
@@ -674,7 +560,7 @@ impl Heap {
         if let Some(id) = self.take_near(pages, near_run) {
             return Ok(Fast::Done(self.finish_range(id, size, stream)));
         }
-        let repeated = self.tells_repeated() && self.sizes.contains(size);
+        let repeated = self.tells_repeated() && self.notes.sizes.contains(size);
         if let Some(ptr) = self.start_carving(size, pages, stream, repeated) {
             return Ok(Fast::Done(ptr));
         }
@@ -718,7 +604,7 @@ impl Heap {
     /// search found, for `take_near`.
     fn take_exact(&mut self, pages: u64, stream: u64) -> Taken {
         let exact =
-            self.cached_by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
+            self.cache.by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
         let own = self.streams.get_mut(stream).and_then(|f| {
             let (va, seq) = f.peek_range(pages)?;
             (!exact.is_some_and(|c| c.1 < va)).then(|| f.take(seq))
@@ -749,7 +635,7 @@ impl Heap {
     /// run up to `SPLIT_SLACK` larger split off a cached range; the window.
     fn take_near(&mut self, pages: u64, near_run: Option<CachedRun>) -> Option<RangeId> {
         let slack = pages * self.lim.near_fit_per_1024 / 1024;
-        let near = self.cached_by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
+        let near = self.cache.by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
         if let Some(&(_, _, seq)) = near {
             self.stats.cache_hits += 1;
             return Some(self.uncache(seq));
@@ -758,7 +644,8 @@ impl Heap {
             self.stats.cache_hits += 1;
             return Some(self.split_off(seq, start, end));
         }
-        if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
+        if let Some((va, got, chunks)) =
+            self.window.mapped.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
         {
             self.stats.window_hits += 1;
             self.stats.window_bytes.sub(self.bytes(got));
@@ -781,7 +668,7 @@ impl Heap {
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
         let pages = self.range(id).pages;
         self.note_fresh(pages, pages);
-        self.last_request_map = Some(crate::sync::Instant::now());
+        self.window.last_request_map = Some(crate::sync::Instant::now());
         if arena {
             self.start_arena(id, size, stream)
         } else {
@@ -792,8 +679,7 @@ impl Heap {
     /// Counts a request of `asked` pages served `got` pages at fresh addresses (the mapper's
     /// measure of demand).
     fn note_fresh(&mut self, asked: u64, got: u64) {
-        self.fresh_pages += got;
-        self.fresh_largest = self.fresh_largest.max(asked);
+        self.window.note_fresh(asked, got);
     }
 
     fn start_arena(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
@@ -821,12 +707,12 @@ impl Heap {
         }
         self.count(size, rounded);
         if size >= self.lim.page && self.keeps_sizes() {
-            self.sizes.insert(size);
+            self.notes.sizes.insert(size);
         }
-        self.recent_free_gen.remove(&ptr);
+        self.live.forget_free(ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
         let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false };
-        let prev = self.live.insert(ptr, live);
+        let prev = self.live.allocs.insert(ptr, live);
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }
 
@@ -838,15 +724,15 @@ impl Heap {
     /// a table is grown to hold twice its entries (at least `TABLE_HEADROOM` more), so a burst
     /// of requests between two of the worker's ticks does not grow it.
     pub fn grow_tables_ahead(&mut self) {
-        if let Some(n) = room_to_add(self.live.len(), self.live.capacity()) {
-            self.live.reserve(n);
+        if let Some(n) = room_to_add(self.live.allocs.len(), self.live.allocs.capacity()) {
+            self.live.allocs.reserve(n);
         }
-        if let Some(n) = room_to_add(self.ranges.len(), self.ranges.capacity()) {
-            self.ranges.reserve(n);
+        if let Some(n) = room_to_add(self.ranges.slots.len(), self.ranges.slots.capacity()) {
+            self.ranges.slots.reserve(n);
         }
-        let (len, cap) = (self.recent_free_gen.len(), self.recent_free_gen.capacity());
+        let (len, cap) = (self.live.recent_free_gen.len(), self.live.recent_free_gen.capacity());
         if let Some(n) = room_to_add(len, cap) {
-            self.recent_free_gen.reserve(n.min(RECENT_FREES));
+            self.live.recent_free_gen.reserve(n.min(RECENT_FREES));
         }
     }
 
@@ -874,7 +760,7 @@ impl Heap {
         ptr: u64,
         keep: impl FnOnce(&Live) -> bool,
     ) -> Result<Option<Live>> {
-        let live = match self.live.entry(ptr) {
+        let live = match self.live.allocs.entry(ptr) {
             Entry::Occupied(e) if keep(e.get()) => return Ok(None),
             Entry::Occupied(e) => Some(e.remove()),
             Entry::Vacant(_) => None,
@@ -914,7 +800,7 @@ impl Heap {
     /// keeps it allocated until the pool hands it back to the heap, so that its events pair up.
     /// Does nothing to a block not live, or kept already.
     pub fn pool_keep(&mut self, ptr: u64) {
-        let Some(live) = self.live.get_mut(&ptr).filter(|l| !l.pooled) else { return };
+        let Some(live) = self.live.allocs.get_mut(&ptr).filter(|l| !l.pooled) else { return };
         live.pooled = true;
         let (size, rounded) = (live.size, live.rounded);
         self.uncount(size, rounded);
@@ -923,7 +809,7 @@ impl Heap {
     /// A graph pool hands its kept block at `ptr` to a request of `size` bytes on `stream`: it
     /// counts as allocated again. Does nothing to a block not kept.
     pub fn pool_reuse(&mut self, ptr: u64, size: u64, stream: u64) {
-        let Some(live) = self.live.get_mut(&ptr).filter(|l| l.pooled) else { return };
+        let Some(live) = self.live.allocs.get_mut(&ptr).filter(|l| l.pooled) else { return };
         live.pooled = false;
         live.size = size.min(live.rounded);
         live.stream = stream;
@@ -934,22 +820,15 @@ impl Heap {
     /// A graph pool makes its kept block at `ptr` live again as it was (a checkpointed pool
     /// state set back), for `stream`: it counts as allocated again, with the size last asked.
     pub fn pool_revive(&mut self, ptr: u64, stream: u64) {
-        let Some(size) = self.live.get(&ptr).filter(|l| l.pooled).map(|l| l.size) else { return };
+        let Some(size) = self.live.allocs.get(&ptr).filter(|l| l.pooled).map(|l| l.size) else {
+            return;
+        };
         self.pool_reuse(ptr, size, stream);
     }
 
     /// Remembers a freed pointer, to tell a double free from an unknown pointer.
     fn remember_free(&mut self, ptr: u64) {
-        if self.recent_frees.len() == RECENT_FREES {
-            if let Some((old, generation)) = self.recent_frees.pop_front() {
-                if self.recent_free_gen.get(&old) == Some(&generation) {
-                    self.recent_free_gen.remove(&old);
-                }
-            }
-        }
-        self.free_generation += 1;
-        self.recent_frees.push_back((ptr, self.free_generation));
-        self.recent_free_gen.insert(ptr, self.free_generation);
+        self.live.remember_free(ptr);
     }
 
     /// Frees at once: the caller guarantees no device work uses the memory any more.
@@ -965,7 +844,7 @@ impl Heap {
     /// `recordStream`): a later `free_on_stream` waits for `stream`'s work queued before it too.
     /// Refuses a pointer that is not the start of a live allocation, and changes nothing then.
     pub fn record_use(&mut self, ptr: u64, stream: u64) -> Result<()> {
-        let Some(live) = self.live.get_mut(&ptr) else {
+        let Some(live) = self.live.allocs.get_mut(&ptr) else {
             return Err(match self.classify_bad_free(ptr) {
                 Error::DoubleFree { ptr } => Error::UnknownPointer { ptr },
                 e => e,
@@ -988,7 +867,7 @@ impl Heap {
         let keep = |l: &Live| !uses_checked && l.uses.iter().any(|&u| u != stream);
         let Some(live) = self.take_live_unless(ptr, keep)? else {
             // Kept live for the check (a second lookup, on this rare path only).
-            return Ok(Freed::CheckUses(self.live[&ptr].uses.clone()));
+            return Ok(Freed::CheckUses(self.live.allocs[&ptr].uses.clone()));
         };
         self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
         let what = match live.backing {
@@ -1039,19 +918,19 @@ impl Heap {
 
     /// The event record a free of `epoch` on `stream` asks for, counted in flight.
     fn record_for(&mut self, stream: u64, epoch: u64) -> StreamRecord {
-        self.records_in_flight += 1;
+        self.claims.records_in_flight += 1;
         let spare = self
             .streams
             .entry(stream)
             .event_to_record(EVENTS_IN_FLIGHT)
-            .or_else(|| self.event_stock.pop());
+            .or_else(|| self.streams.stock.pop());
         (stream, epoch, spare)
     }
 
     /// How many events the stock lacks, once it is down to half of `target` (0 otherwise).
     pub fn event_stock_wanted(&self, target: usize) -> usize {
-        if self.event_stock.len() <= target / 2 {
-            target - self.event_stock.len()
+        if self.streams.stock.len() <= target / 2 {
+            target - self.streams.stock.len()
         } else {
             0
         }
@@ -1061,8 +940,8 @@ impl Heap {
     /// that: events of forgotten streams come back to the stock, and a burst of many streams
     /// would otherwise leave thousands created for good.
     pub fn event_stock_excess(&mut self, target: usize) -> Vec<EventHandle> {
-        if self.event_stock.len() > 2 * target {
-            self.event_stock.split_off(target)
+        if self.streams.stock.len() > 2 * target {
+            self.streams.stock.split_off(target)
         } else {
             Vec::new()
         }
@@ -1070,12 +949,12 @@ impl Heap {
 
     /// Events in the stock.
     pub fn events_stocked(&self) -> usize {
-        self.event_stock.len()
+        self.streams.stock.len()
     }
 
     /// Adds events created ahead of need to the stock.
     pub fn stock_events(&mut self, events: Vec<EventHandle>) {
-        self.event_stock.extend(events);
+        self.streams.stock.extend(events);
     }
 
     /// Settles a record of an event on `stream` for the free of `epoch`: `Ok(event)` was
@@ -1090,7 +969,7 @@ impl Heap {
         own: bool,
     ) {
         if own {
-            self.records_in_flight -= 1;
+            self.claims.records_in_flight -= 1;
         }
         let f = self.streams.entry(stream);
         match outcome {
@@ -1108,15 +987,7 @@ impl Heap {
     /// (stream, newest epoch, spare event). Never a stream whose frees wait only for their own
     /// records still in flight (see `StreamFrees::needs_event`).
     pub fn streams_needing_events(&mut self) -> Vec<(u64, u64, Option<EventHandle>)> {
-        let mut out = Vec::new();
-        for (s, f) in self.streams.iter_mut() {
-            if f.needs_event() {
-                let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-                let ev = f.event_to_record(EVENTS_IN_FLIGHT).or_else(|| self.event_stock.pop());
-                out.push((s, epoch, ev));
-            }
-        }
-        out
+        self.streams.needing_events(EVENTS_IN_FLIGHT)
     }
 
     /// Whether any recorded event is not known complete (what `events_to_query` would list).
@@ -1148,7 +1019,7 @@ impl Heap {
         let done = f.completed(epoch, event);
         // Quarantined chunks of this stream whose epoch is now done become bare, in order.
         let pool = &mut self.pool;
-        self.quarantine.retain(|q| {
+        self.claims.quarantine.retain(|q| {
             let free = q.1 == stream && f.is_done(q.2);
             if free {
                 pool.put_bare(q.0);
@@ -1176,8 +1047,7 @@ impl Heap {
                 }
                 Pending::Block { ptr, rounded } => {
                     self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
-                    let (&va, &arena) =
-                        self.by_va.range(..=ptr).next_back().expect("block's arena");
+                    let (va, arena) = self.ranges.at_or_below(ptr).expect("block's arena");
                     self.release_backing(Backing::Sub { arena, offset: ptr - va });
                 }
                 // A growable's shrink (its chunks left the quarantine above), or a joined free's
@@ -1186,19 +1056,19 @@ impl Heap {
             }
         }
         if let Some(spare) = self.streams.forget_if_idle(stream) {
-            self.event_stock.extend(spare);
+            self.streams.stock.extend(spare);
         }
     }
 
     /// Whether some plan holds claimed chunks or addresses while it runs, or a free's own event
     /// record is still to be settled: a request short of memory waits for either.
     pub fn has_inflight(&self) -> bool {
-        !self.inflight.is_empty() || self.records_in_flight > 0
+        self.claims.any()
     }
 
     /// Whether frees on streams are still waiting for their events.
     pub fn has_pending_frees(&self) -> bool {
-        self.streams.any_pending() || !self.quarantine.is_empty()
+        self.streams.any_pending() || !self.claims.quarantine.is_empty()
     }
 
     fn release_backing(&mut self, backing: Backing) {
@@ -1238,7 +1108,7 @@ impl Heap {
     }
 
     fn classify_bad_free(&self, ptr: u64) -> Error {
-        if let Some((_, &id)) = self.by_va.range(..=ptr).next_back() {
+        if let Some((_, id)) = self.ranges.at_or_below(ptr) {
             let r = self.range(id);
             if ptr < r.va + self.bytes(r.pages) {
                 match r.use_ {
@@ -1258,7 +1128,7 @@ impl Heap {
                 }
             }
         }
-        if self.recent_free_gen.contains_key(&ptr) {
+        if self.live.freed_lately(ptr) {
             Error::DoubleFree { ptr }
         } else {
             Error::UnknownPointer { ptr }
@@ -1319,8 +1189,9 @@ mod tests {
             defer_free_events: false,
         };
         let mut h = Heap::new(lim);
-        let caps =
-            |h: &Heap| (h.live.capacity(), h.ranges.capacity(), h.recent_free_gen.capacity());
+        let caps = |h: &Heap| {
+            (h.live.allocs.capacity(), h.ranges.slots.capacity(), h.live.recent_free_gen.capacity())
+        };
         assert_eq!(caps(&h), (0, 0, 0), "a new heap holds no room yet");
         h.grow_tables_ahead();
         let grown = caps(&h);

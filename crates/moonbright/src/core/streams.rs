@@ -476,6 +476,9 @@ pub(crate) struct Streams {
     next_seq: u64,
     /// Pages of pending ranges, joined ones included.
     pending_pages: u64,
+    /// Events the background worker created ahead of need, for frees on any stream that has no
+    /// spare event of its own, so that a burst of frees records events without creating them.
+    pub(crate) stock: Vec<EventHandle>,
 }
 
 impl Streams {
@@ -588,8 +591,19 @@ impl Streams {
         self.by_stream.iter().map(|(&s, f)| (s, f))
     }
 
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (u64, &mut StreamFrees)> {
-        self.by_stream.iter_mut().map(|(&s, f)| (s, f))
+    /// Streams with a free whose own event record failed and that no record since covers:
+    /// (stream, newest epoch, an event to record: a spare of the stream's, else one from the
+    /// stock), with at most `cap` events in flight a stream (`StreamFrees::event_to_record`).
+    pub fn needing_events(&mut self, cap: usize) -> Vec<(u64, u64, Option<EventHandle>)> {
+        let mut out = Vec::new();
+        for (&s, f) in self.by_stream.iter_mut() {
+            if f.needs_event() {
+                let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
+                let ev = f.event_to_record(cap).or_else(|| self.stock.pop());
+                out.push((s, epoch, ev));
+            }
+        }
+        out
     }
 
     /// Whether any stream has frees waiting.

@@ -144,11 +144,11 @@ impl Heap {
         let mut seen = 0;
         // A run that spares nothing ends the search.
         'search: {
-            for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
+            for &(_, _, seq) in self.cache.by_size.range((pages + 1, 0, 0)..).take(CARVE_RANGES) {
                 if seen >= CARVE_CHUNKS_SEEN {
                     break;
                 }
-                let chunks = &self.range(self.cached_lru[&seq]).chunks;
+                let chunks = &self.range(self.cache.lru[&seq]).chunks;
                 let skip = chunks.len().saturating_sub(CARVE_CHUNKS_SEEN - seen);
                 seen += chunks.len() - skip;
                 let size = |i: usize| self.pool.get(chunks[skip + i]).pages;
@@ -157,14 +157,14 @@ impl Heap {
                 }
             }
             let mut ids: Vec<ChunkId> = Vec::new();
-            for &(p, start) in self.cached_groups_by_size.range((pages + 1, 0)..).take(CARVE_GROUPS)
+            for &(p, start) in self.cache.groups_by_size.range((pages + 1, 0)..).take(CARVE_GROUPS)
             {
                 if seen >= CARVE_CHUNKS_SEEN {
                     break;
                 }
                 let end = start + self.bytes(p);
                 ids.clear();
-                for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
+                for (_, &(_, _, id)) in self.cache.by_va.range(start..end) {
                     if ids.len() >= CARVE_CHUNKS_SEEN - seen {
                         break;
                     }
@@ -185,7 +185,7 @@ impl Heap {
         let group: Vec<u64> = match at {
             Carve::Range(seq) => vec![seq],
             Carve::Group(start, end) => {
-                self.cached_by_va.range(start..end).map(|(_, &(seq, _, _))| seq).collect()
+                self.cache.by_va.range(start..end).map(|(_, &(seq, _, _))| seq).collect()
             }
         };
         let id = self.join_run(&group, a, b);
@@ -223,7 +223,7 @@ impl Heap {
                 // Its blocks move with it (a block whose joined free is pending is not live:
                 // it is found by address when the free completes).
                 for off in self.carved.used_offsets(after) {
-                    if let Some(live) = self.live.get_mut(&(va + off)) {
+                    if let Some(live) = self.live.allocs.get_mut(&(va + off)) {
                         live.backing = Backing::Sub { arena: after, offset: off };
                     }
                 }

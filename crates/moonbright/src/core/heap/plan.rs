@@ -4,7 +4,7 @@
 //! claimed under the lock as a plan (`core/mapping.rs`) that runs without it, then committed, or
 //! given back if the driver failed.
 
-use super::{Claim, Heap, Range, RangeId, Step, Use};
+use super::{Claim, Heap, RangeId, Step, Use};
 use crate::core::chunks::Chunks;
 use crate::core::history::HistoryAction;
 use crate::core::mapping::{Executed, MapPlan};
@@ -19,7 +19,7 @@ impl Heap {
     /// as held until its release commits: another plan that created in its place could run
     /// before the release and take the device past the cap (or out of memory).
     pub(super) fn headroom(&self) -> u64 {
-        let held = self.pool.held_pages() + self.inflight_create_pages;
+        let held = self.pool.held_pages() + self.claims.create_pages;
         (self.lim.cap / self.lim.page).saturating_sub(held)
     }
 
@@ -47,12 +47,12 @@ impl Heap {
 
     /// Held pages no allocation uses, outside the window: bare chunks and cached ranges.
     pub fn free_held_pages(&self) -> u64 {
-        self.pool.bare_pages() + self.cached_pages
+        self.pool.bare_pages() + self.cache.pages
     }
 
     /// Pages free for a new range right now, wherever they are.
     fn free_pages(&self) -> u64 {
-        self.pool.bare_pages() + self.cached_pages + self.window.pages() + self.headroom()
+        self.pool.bare_pages() + self.cache.pages + self.window.mapped.pages() + self.headroom()
     }
 
     /// Pages free for a new range on `stream`: those free for everyone, and the chunks the
@@ -60,6 +60,7 @@ impl Heap {
     /// the driver, never to another allocation).
     pub(super) fn free_pages_for(&self, stream: u64) -> u64 {
         let own: u64 = self
+            .claims
             .quarantine
             .iter()
             .filter(|q| q.1 == stream && !self.pool.get(q.0).exported)
@@ -77,7 +78,9 @@ impl Heap {
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
-            if self.va.unmap_could_free(len) || self.unmapping > self.unmapping_private.len() {
+            if self.va.unmap_could_free(len)
+                || self.claims.unmapping > self.claims.unmapping_private.len()
+            {
                 self.stats.flushes_for_addresses += 1;
                 return Step::Flush(None);
             }
@@ -142,6 +145,7 @@ impl Heap {
             // safe for it at once. If the plan fails they return to the quarantine. Exported
             // ones wait there to be doomed, never reused: an importer may still map them.
             let own = self
+                .claims
                 .quarantine
                 .iter()
                 .enumerate()
@@ -152,7 +156,7 @@ impl Heap {
                 .max_by_key(|(_, q)| self.pool.get(q.0).pages)
                 .map(|(i, _)| i);
             if let Some(i) = own {
-                let q = self.quarantine.swap_remove(i);
+                let q = self.claims.quarantine.swap_remove(i);
                 left -= self.pool.get(q.0).pages;
                 got.push(q.0);
                 same_stream.push(q);
@@ -187,7 +191,7 @@ impl Heap {
             // No cached range has a chunk that fits: break up the least recently freed one for
             // its chunks to be split below, unless a bare chunk can be split already.
             if !self.pool.has_bare_larger_than(left) {
-                if let Some((&seq, _)) = self.cached_lru.iter().next() {
+                if let Some((&seq, _)) = self.cache.lru.iter().next() {
                     self.steal_cached(seq);
                     continue;
                 }
@@ -209,7 +213,7 @@ impl Heap {
         // A size asked for before (`requested` is the request's bytes) will likely come back
         // beside other sizes, as a training step's do: smaller chunks let later requests of
         // other sizes reuse its memory with fewer pages to spare.
-        let repeated = large && self.cuts_repeated() && self.sizes.contains(requested);
+        let repeated = large && self.cuts_repeated() && self.notes.sizes.contains(requested);
         let cap = if grown {
             left.min(self.lim.largest_chunk_pages)
         } else {
@@ -249,7 +253,7 @@ impl Heap {
         match &step {
             // Most plans take nothing from their stream's pending frees: no second lookup.
             Step::Map(plan) if !same_stream.is_empty() => {
-                if let Some(claim) = self.inflight.get_mut(&plan.id) {
+                if let Some(claim) = self.claims.plans.get_mut(&plan.id) {
                     claim.same_stream = same_stream;
                 }
             }
@@ -283,7 +287,7 @@ impl Heap {
         }
         let allocated = &self.stats.allocated_bytes;
         let peak = allocated.peak.max(allocated.current + len) as u128;
-        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages) as u128;
+        let held = self.bytes(self.pool.held_pages() + self.claims.create_pages) as u128;
         (peak * (1024 + per_1024 as u128) / 1024).saturating_sub(held).min(u64::MAX as u128) as u64
     }
 
@@ -311,9 +315,7 @@ impl Heap {
         let pool = &self.pool;
         let ranges = &self.ranges;
         let has_fit = |id: u32| {
-            ranges[id as usize]
-                .as_ref()
-                .is_some_and(|r| r.chunks.iter().any(|&c| pool.get(c).pages <= fit))
+            ranges.try_get(id).is_some_and(|r| r.chunks.iter().any(|&c| pool.get(c).pages <= fit))
         };
         let Some((id, pages, epoch)) =
             self.streams.get_mut(stream).and_then(|f| f.take_covered_range_where(has_fit))
@@ -322,7 +324,7 @@ impl Heap {
         };
         self.streams.range_left(pages);
         let range = self.remove_range(id);
-        self.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
+        self.claims.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
         self.stats.cached_ranges_stolen += 1;
         self.retire_after(
             range.va,
@@ -338,7 +340,7 @@ impl Heap {
     fn give_back(&mut self, chunks: Vec<ChunkId>, same_stream: Vec<(ChunkId, u64, u64)>) {
         for c in chunks {
             match same_stream.iter().find(|q| q.0 == c) {
-                Some(&q) => self.quarantine.push(q),
+                Some(&q) => self.claims.quarantine.push(q),
                 None => self.pool.put_bare(c),
             }
         }
@@ -353,8 +355,7 @@ impl Heap {
         create: Vec<u64>,
         spare: Vec<u64>,
     ) -> Step {
-        let id = self.next_plan;
-        self.next_plan += 1;
+        let id = self.claims.new_id();
         let existing: Vec<(ChunkId, ChunkHandle, u64)> = got
             .iter()
             .map(|&c| {
@@ -363,9 +364,11 @@ impl Heap {
             })
             .collect();
         let plan = MapPlan { id, va, len, page: self.lim.page, existing, release, create, spare };
-        self.inflight_create_pages += plan.created_pages();
+        self.claims.create_pages += plan.created_pages();
         let chunks = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
-        self.inflight.insert(id, Claim { chunks, va: Some((va, len)), same_stream: Vec::new() });
+        self.claims
+            .plans
+            .insert(id, Claim { chunks, va: Some((va, len)), same_stream: Vec::new() });
         Step::Map(plan)
     }
 
@@ -385,8 +388,9 @@ impl Heap {
     /// Commits an executed plan's driver effects: on success the chunks now mapped at
     /// `plan.va`, in order; on failure everything claimed goes back.
     pub(super) fn commit_mapping(&mut self, plan: MapPlan, ex: Executed) -> Result<Vec<ChunkId>> {
-        let same_stream = self.inflight.remove(&plan.id).map(|c| c.same_stream).unwrap_or_default();
-        self.inflight_create_pages -= plan.created_pages();
+        let same_stream =
+            self.claims.plans.remove(&plan.id).map(|c| c.same_stream).unwrap_or_default();
+        self.claims.create_pages -= plan.created_pages();
         for &(c, _, pages) in &plan.release[..ex.released] {
             self.pool.remove(c);
             self.stats.reserved_bytes.sub(self.bytes(pages));
@@ -458,19 +462,7 @@ impl Heap {
     }
 
     pub(super) fn add_range(&mut self, va: u64, pages: u64, chunks: Chunks, use_: Use) -> RangeId {
-        let range = Range { va, pages, chunks, use_ };
-        let id = match self.free_range_ids.pop() {
-            Some(id) => {
-                self.ranges[id as usize] = Some(range);
-                id
-            }
-            None => {
-                self.ranges.push(Some(range));
-                (self.ranges.len() - 1) as RangeId
-            }
-        };
-        self.by_va.insert(va, id);
-        id
+        self.ranges.add(va, pages, chunks, use_)
     }
 
     fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
@@ -490,7 +482,7 @@ impl Heap {
             allocated: self.stats.allocated_bytes.current,
             reserved: self.bytes(self.pool.held_pages()),
             free_in_pool: self
-                .bytes(self.pool.bare_pages() + self.cached_pages + self.window.pages()),
+                .bytes(self.pool.bare_pages() + self.cache.pages + self.window.mapped.pages()),
             cap: self.lim.cap,
             short: self.bytes(short_pages),
             driver,
