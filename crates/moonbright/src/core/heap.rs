@@ -28,6 +28,7 @@ mod claims;
 mod growable;
 mod live;
 mod plan;
+mod policy;
 mod ranges;
 mod unmap;
 mod window;
@@ -37,6 +38,7 @@ use growable::Growable;
 pub use growable::GrowableInfo;
 pub(crate) use growable::Resize;
 use live::{Backing, Live, LiveTable, RECENT_FREES};
+use policy::{Ask, Placed};
 use ranges::{Range, Ranges, Use};
 use window::WindowBooks;
 
@@ -72,32 +74,6 @@ fn room_to_add(len: usize, cap: usize) -> Option<usize> {
     (cap.saturating_sub(len) < room / 2).then_some(room)
 }
 
-/// A whole window chunk up to 1/8 larger than a fresh request serves it (no driver call).
-const WINDOW_FIT_DIVISOR: u64 = 8;
-
-/// A run of chunks split off a cached range may hold up to 1/SPLIT_SLACK more than the request,
-/// where no run holds it exactly.
-const SPLIT_SLACK: u64 = 64;
-
-/// A run of chunks in a cached range: (its cache sequence number, first chunk, one past the last).
-type CachedRun = (u64, usize, usize);
-
-/// Cached ranges, smallest first, that a request looks into for a run of chunks to split off,
-/// and the chunks it looks at in all: a miss that then maps anyway pays for the search under
-/// the heap lock, so the search is bounded (a few microseconds).
-const SPLIT_CANDIDATES: usize = 64;
-const SPLIT_CHUNKS_SEEN: usize = 2048;
-
-/// Chunks a request that found no run in any one cached range looks at in all, in groups of
-/// cached neighbours large enough, smallest first, for a run across them (`Heap::split_joined`).
-const JOIN_CHUNKS_SEEN: usize = 512;
-
-/// Cached ranges, least recently freed first, a plan looks into for the one with the largest
-/// chunk no larger than what it still needs (`Heap::fitting_cached`) each time it steals one,
-/// and in all: the search runs under the heap lock.
-const STEAL_CANDIDATES: usize = 256;
-const STEAL_LOOKS: usize = 1024;
-
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
 /// unmapped now (each look scans the retired ranges).
 const CHUNK_SPLIT_CANDIDATES: usize = 8;
@@ -120,32 +96,6 @@ fn retired_ready(streams: &Streams, r: &Retired) -> bool {
         // A stream forgotten had every epoch done (`Streams::forget_if_idle`).
         Some((s, epoch)) => streams.get(s).map_or(true, |f| f.is_done(epoch)),
     }
-}
-
-/// The first run of consecutive chunks, of `size(i)` pages each for `i` below `len`, that holds
-/// at least `pages` pages and at most `most`: (first, one past the last).
-fn chunk_run(
-    len: usize,
-    size: impl Fn(usize) -> u64,
-    pages: u64,
-    most: u64,
-) -> Option<(usize, usize)> {
-    let (mut end, mut sum) = (0, 0);
-    for start in 0..len {
-        // The shortest run from `start` that holds the request.
-        while end < len && sum < pages {
-            sum += size(end);
-            end += 1;
-        }
-        if sum < pages {
-            return None;
-        }
-        if sum <= most {
-            return Some((start, end));
-        }
-        sum -= size(start);
-    }
-    None
 }
 
 /// Events a stream keeps recorded and unpolled before its frees record its newest one again
@@ -234,13 +184,6 @@ pub(crate) enum Step {
     Wait,
     /// Not enough free memory, counting everything that is free now.
     OutOfMemory(Error),
-}
-
-/// What `Heap::take_exact` found: a range, or the near run (a cached range's seq, and the
-/// run's first and last chunk) its search found for `take_near`.
-enum Taken {
-    Range(RangeId),
-    Missed { near_run: Option<CachedRun> },
 }
 
 /// The outcome of a fast-path attempt.
@@ -544,27 +487,18 @@ impl Heap {
                 self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
                 return Ok(Fast::Done(ptr));
             }
-            return self.take_range_fast(1, stream).map(|id| match id {
-                Some(id) => Fast::Done(self.start_arena(id, size, stream)),
+            return Ok(match self.place_arena_page(&mut Ask::new(size, 1, stream)) {
+                Some(Placed::Range(id)) => Fast::Done(self.start_arena(id, size, stream)),
+                Some(Placed::Block(_)) => unreachable!("an arena's page is a range"),
                 None => Fast::NeedRange { pages: 1, arena: true },
             });
         }
         let pages = size.div_ceil(self.lim.page);
-        if let Some(ptr) = self.take_carved(size, pages, stream) {
-            return Ok(Fast::Done(ptr));
-        }
-        let near_run = match self.take_exact(pages, stream) {
-            Taken::Range(id) => return Ok(Fast::Done(self.finish_range(id, size, stream))),
-            Taken::Missed { near_run } => near_run,
-        };
-        if let Some(id) = self.take_near(pages, near_run) {
-            return Ok(Fast::Done(self.finish_range(id, size, stream)));
-        }
-        let repeated = self.tells_repeated() && self.notes.sizes.contains(size);
-        if let Some(ptr) = self.start_carving(size, pages, stream, repeated) {
-            return Ok(Fast::Done(ptr));
-        }
-        Ok(Fast::NeedRange { pages, arena: false })
+        Ok(match self.place_pages(&mut Ask::new(size, pages, stream)) {
+            Some(Placed::Range(id)) => Fast::Done(self.finish_range(id, size, stream)),
+            Some(Placed::Block(ptr)) => Fast::Done(ptr),
+            None => Fast::NeedRange { pages, arena: false },
+        })
     }
 
     /// Whether a repeated size's new memory comes in smaller chunks
@@ -576,83 +510,6 @@ impl Heap {
     /// Whether requests' sizes are kept (`sizes`), for either use of them.
     fn keeps_sizes(&self) -> bool {
         self.tells_repeated() || self.cuts_repeated()
-    }
-
-    /// A range of `pages` pages with no driver call, exact before near: one of exactly that size
-    /// from the stream's own pending frees or the cache, the lowest address first; else a run of
-    /// chunks of exactly that size split off a larger cached range (`split_cached`) or across
-    /// cached neighbours (`split_joined`); else the smallest cached range up to `near_fit` larger
-    /// (an eighth by default; the extra pages stay with the allocation until it is freed,
-    /// counted as rounding); else a run up to `SPLIT_SLACK` larger split off a cached range;
-    /// else the window. Lowest address first (not newest), so that the same requests in the
-    /// same order get the same ranges back whether or not their frees have completed, as from
-    /// PyTorch's allocator.
-    ///
-    /// Exact before near: extra pages held by live allocations are held at the peak too. With
-    /// near fits before exact splits, ResNet-50's trace held 1.015 of its peak (host backend)
-    /// against 1.010 now, its page-rounding floor plus its arenas' spare room (design.md,
-    /// "Exact before near").
-    fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
-        Ok(match self.take_exact(pages, stream) {
-            Taken::Range(id) => Some(id),
-            Taken::Missed { near_run } => self.take_near(pages, near_run),
-        })
-    }
-
-    /// The exact half of `take_range_fast`: the stream's own pending frees, the cache, a run
-    /// split off a cached range or across cached neighbours. A miss hands on the near run its
-    /// search found, for `take_near`.
-    fn take_exact(&mut self, pages: u64, stream: u64) -> Taken {
-        let exact =
-            self.cache.by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
-        let own = self.streams.get_mut(stream).and_then(|f| {
-            let (va, seq) = f.peek_range(pages)?;
-            (!exact.is_some_and(|c| c.1 < va)).then(|| f.take(seq))
-        });
-        if let Some(id) = own {
-            self.streams.range_left(pages);
-            let r = self.range(id);
-            if r.use_ == Use::Pending {
-                self.note(HistoryAction::FreeCompleted, r.va, self.bytes(pages), stream);
-            }
-            self.stats.cache_hits += 1;
-            return Taken::Range(id);
-        }
-        if let Some((_, _, seq)) = exact {
-            self.stats.cache_hits += 1;
-            return Taken::Range(self.uncache(seq));
-        }
-        let (exact_run, near_run) = self.split_cached(pages);
-        let exact_run = exact_run.map(|(seq, start, end)| self.split_off(seq, start, end));
-        if let Some(id) = exact_run.or_else(|| self.split_joined(pages)) {
-            self.stats.cache_hits += 1;
-            return Taken::Range(id);
-        }
-        Taken::Missed { near_run }
-    }
-
-    /// The near half of `take_range_fast`: a cached range up to `near_fit` larger, whole; a
-    /// run up to `SPLIT_SLACK` larger split off a cached range; the window.
-    fn take_near(&mut self, pages: u64, near_run: Option<CachedRun>) -> Option<RangeId> {
-        let slack = pages * self.lim.near_fit_per_1024 / 1024;
-        let near = self.cache.by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
-        if let Some(&(_, _, seq)) = near {
-            self.stats.cache_hits += 1;
-            return Some(self.uncache(seq));
-        }
-        if let Some((seq, start, end)) = near_run {
-            self.stats.cache_hits += 1;
-            return Some(self.split_off(seq, start, end));
-        }
-        if let Some((va, got, chunks)) =
-            self.window.mapped.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
-        {
-            self.stats.window_hits += 1;
-            self.stats.window_bytes.sub(self.bytes(got));
-            self.note_fresh(pages, got);
-            return Some(self.add_range(va, got, chunks, Use::Alloc));
-        }
-        None
     }
 
     /// Counts a request's own synchronous map (attempted, whether or not it succeeded).
@@ -1139,21 +996,6 @@ impl Heap {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_run_of_chunks_is_found_at_either_end_or_in_the_middle() {
-        let run = |sizes: &[u64], pages, most| chunk_run(sizes.len(), |i| sizes[i], pages, most);
-        assert_eq!(run(&[4, 4, 1], 1, 1), Some((2, 3)), "the tail");
-        assert_eq!(run(&[4, 4, 1], 4, 4), Some((0, 1)), "the head");
-        assert_eq!(run(&[1, 4, 4], 4, 4), Some((1, 2)), "the middle");
-        assert_eq!(run(&[1, 2, 1, 8], 3, 3), Some((0, 2)));
-        assert_eq!(run(&[1, 2, 1, 8], 4, 4), Some((0, 3)));
-        assert_eq!(run(&[2, 2, 8], 5, 5), None, "4 is short, 10 and 12 too much");
-        assert_eq!(run(&[2, 2, 8], 5, 6), None);
-        assert_eq!(run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
-        assert_eq!(run(&[3], 4, 8), None, "not enough pages at all");
-        assert_eq!(run(&[], 1, 1), None);
-    }
 
     #[test]
     fn tables_grow_ahead_once_half_their_room_is_gone() {

@@ -4,10 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{
-    chunk_run, CachedRun, Heap, Range, RangeId, Ranges, Step, Use, JOIN_CHUNKS_SEEN,
-    SPLIT_CANDIDATES, SPLIT_CHUNKS_SEEN, SPLIT_SLACK, STEAL_CANDIDATES, STEAL_LOOKS,
-};
+use super::{Heap, Range, RangeId, Ranges, Step, Use};
 use crate::core::chunks::Chunks;
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
@@ -155,33 +152,6 @@ impl Heap {
         self.ranges.remove(id)
     }
 
-    /// Runs of whole chunks in larger cached ranges to split off with no driver call (each
-    /// chunk is mapped on its own, so the pieces are mapped ranges as they are; what is left on
-    /// either side stays cached): one of exactly `pages` pages, and else the first found that
-    /// holds them to within `SPLIT_SLACK`, as (cached range, first chunk, one past the last).
-    /// Takes nothing: the caller splits the run it picks (`split_off`).
-    pub(super) fn split_cached(&self, pages: u64) -> (Option<CachedRun>, Option<CachedRun>) {
-        let most = pages + pages / SPLIT_SLACK;
-        let (mut seen, mut near) = (0, None);
-        let mut exact = None;
-        for &(_, _, seq) in self.cache.by_size.range((pages + 1, 0, 0)..).take(SPLIT_CANDIDATES) {
-            let chunks = &self.range(self.cache.lru[&seq]).chunks;
-            seen += chunks.len();
-            if seen > SPLIT_CHUNKS_SEEN {
-                break;
-            }
-            let size = |i: usize| self.pool.get(chunks[i]).pages;
-            if let Some((start, end)) = chunk_run(chunks.len(), size, pages, pages) {
-                exact = Some((seq, start, end));
-                break;
-            }
-            if near.is_none() {
-                near = chunk_run(chunks.len(), size, pages, most).map(|(a, b)| (seq, a, b));
-            }
-        }
-        (exact, near)
-    }
-
     /// Splits chunks `start..end` off cached range `seq`, as a range of their own at the
     /// address where they are mapped (returned, out of the cache); what is left on either side
     /// stays cached.
@@ -220,48 +190,6 @@ impl Heap {
         self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc)
     }
 
-    /// A run of whole chunks of exactly `pages` pages across cached ranges that lie back to back
-    /// in one reservation, when no single cached range holds one. The smallest such group
-    /// (in pages) that holds a run serves; the ranges the run touches are joined into one, and
-    /// the run is split off it. The others keep their sizes for exact-size reuse.
-    ///
-    /// Exact, where `split_cached` allows `SPLIT_SLACK`: with that slack here too, the recorded
-    /// traces held 0.1-0.3% more memory on the host backend (ResNet 1.016 against 1.013) for
-    /// 5% fewer set-access calls on GPT-2 and Llama, none fewer on ResNet.
-    ///
-    /// Joining is a matter of bookkeeping: each chunk was mapped by a call of its own and its
-    /// access set, so neighbours form one mapped range as they stand, and later unmaps cover
-    /// whole chunks still. Ranges join only here, when a request would otherwise map: joined
-    /// when freed, a freed range would no longer come back whole to an exact-size request,
-    /// and where it went would depend on when its free completed (Address stability).
-    pub(super) fn split_joined(&mut self, pages: u64) -> Option<RangeId> {
-        if self.cache.pages < pages {
-            return None;
-        }
-        // The smallest group large enough with a run of exactly `pages` pages: where it lies,
-        // and the run in its chunks.
-        let mut best = None;
-        let mut ids: Vec<ChunkId> = Vec::new();
-        for &(group_pages, start) in self.cache.groups_by_size.range((pages, 0)..) {
-            if ids.len() >= JOIN_CHUNKS_SEEN {
-                break;
-            }
-            let end = start + self.bytes(group_pages);
-            let first = ids.len();
-            for (_, &(_, _, id)) in self.cache.by_va.range(start..end) {
-                ids.extend(self.range(id).chunks.iter().copied());
-            }
-            let size = |i: usize| self.pool.get(ids[first + i]).pages;
-            if let Some((a, b)) = chunk_run(ids.len() - first, size, pages, pages) {
-                best = Some((start, end, a, b));
-                break;
-            }
-        }
-        let (start, end, run_start, run_end) = best?;
-        let group: Vec<u64> = self.cache.by_va.range(start..end).map(|(_, &(q, _, _))| q).collect();
-        Some(self.join_run(&group, run_start, run_end))
-    }
-
     /// Joins the cached ranges of `group` (back to back, in address order) that chunks
     /// `start..end` of theirs touch, and splits that run off as a range of its own (returned,
     /// out of the cache): what is left on either side stays cached.
@@ -295,35 +223,6 @@ impl Heap {
         }
         self.stats.cached_ranges_joined += (last - first) as u64;
         self.split_chunks(va, joined_pages, chunks, start - offset, end - offset)
-    }
-
-    /// The cached range to steal for a plan that still needs `left` pages: of the first
-    /// `STEAL_CANDIDATES` in freeing order (least recently freed first), the one with the
-    /// largest chunk of at most `left` pages, the first such on a tie. A range whose chunks are
-    /// all larger would give the plan nothing it can map (they go bare), yet retire a mapped
-    /// range a later request could have hit; and the largest chunk that fits stitches the
-    /// request from the fewest handles, as bare chunks are taken largest first. `scan`: where
-    /// the plan's search goes on from (`left` only shrinks, so a range passed over for having
-    /// no chunk that fits stays of no use to the plan), and the ranges looked at so far, at most
-    /// `STEAL_LOOKS` for the plan.
-    pub(super) fn fitting_cached(&self, scan: &mut (u64, usize), left: u64) -> Option<u64> {
-        let mut best: Option<(u64, u64)> = None;
-        for (looked, (&seq, &id)) in self.cache.lru.range(scan.0..).enumerate() {
-            if looked >= STEAL_CANDIDATES || scan.1 >= STEAL_LOOKS {
-                break;
-            }
-            scan.1 += 1;
-            let chunks = self.range(id).chunks.iter().map(|&c| self.pool.get(c).pages);
-            match chunks.filter(|&p| p <= left).max() {
-                Some(p) if best.map_or(true, |b| p > b.1) => best = Some((seq, p)),
-                None if best.is_none() => scan.0 = seq + 1,
-                _ => {}
-            }
-            if best.is_some_and(|b| b.1 == left) {
-                break;
-            }
-        }
-        best.map(|b| b.0)
     }
 
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second

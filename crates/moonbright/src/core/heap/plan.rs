@@ -4,6 +4,7 @@
 //! claimed under the lock as a plan (`core/mapping.rs`) that runs without it, then committed, or
 //! given back if the driver failed.
 
+use super::policy::{Gather, Gathered};
 use super::{Claim, Heap, RangeId, Step, Use};
 use crate::core::chunks::Chunks;
 use crate::core::history::HistoryAction;
@@ -110,103 +111,40 @@ impl Heap {
         large: bool,
     ) -> Step {
         let len = self.bytes(pages);
-        let mut got: Vec<ChunkId> = Vec::new();
-        let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
-        let mut left = pages;
-        // Where the search for a cached range worth stealing goes on from (`fitting_cached`).
-        let mut steal_scan = (0, 0);
-        // Whether what bare chunks leave is made new, in one chunk (`grows_first`).
+        let mut plan = Gather {
+            stream,
+            len,
+            large,
+            left: pages,
+            got: Vec::new(),
+            same_stream: Vec::new(),
+            steal_scan: (0, 0),
+        };
+        // Whether what bare chunks leave is made new, in one chunk (`GrowFirst`).
         let mut grown = false;
         loop {
-            while left > 0 {
-                match self.pool.take_bare_at_most(left) {
+            while plan.left > 0 {
+                match self.pool.take_bare_at_most(plan.left) {
                     Some(c) => {
-                        left -= self.pool.get(c).pages;
-                        got.push(c);
+                        plan.left -= self.pool.get(c).pages;
+                        plan.got.push(c);
                     }
                     None => break,
                 }
             }
-            if left == 0 {
+            if plan.left == 0 {
                 break;
             }
-            if large && self.grows_first(left, len) {
-                grown = true;
-                break;
-            }
-            if let Some(seq) = self.fitting_cached(&mut steal_scan, left) {
-                self.steal_cached(seq);
-                continue;
-            }
-            if self.steal_window(left) {
-                continue;
-            }
-            // Chunks the stream itself gave back (a growable's shrink): stream order makes them
-            // safe for it at once. If the plan fails they return to the quarantine. Exported
-            // ones wait there to be doomed, never reused: an importer may still map them.
-            let own = self
-                .claims
-                .quarantine
-                .iter()
-                .enumerate()
-                .filter(|(_, q)| {
-                    let c = self.pool.get(q.0);
-                    q.1 == stream && c.pages <= left && !c.exported
-                })
-                .max_by_key(|(_, q)| self.pool.get(q.0).pages)
-                .map(|(i, _)| i);
-            if let Some(i) = own {
-                let q = self.claims.quarantine.swap_remove(i);
-                left -= self.pool.get(q.0).pages;
-                got.push(q.0);
-                same_stream.push(q);
-                continue;
-            }
-            // The stream's own pending frees: its later work is ordered after its earlier work,
-            // so their pages may serve it now; the old addresses are unmapped only once the
-            // earlier work has completed. Their chunks go straight into this range, never bare.
-            if let Some((id, p, epoch)) =
-                self.streams.get_mut(stream).and_then(|f| f.take_covered_range_at_most(left))
-            {
-                self.streams.range_left(p);
-                let range = self.remove_range(id);
-                left -= p;
-                got.extend(range.chunks.iter().copied());
-                same_stream.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
-                self.stats.cached_ranges_stolen += 1;
-                self.retire_after(
-                    range.va,
-                    self.bytes(p),
-                    range.chunks.into_vec(),
-                    Some((stream, epoch)),
-                );
-                continue;
-            }
-            // A larger pending range of the stream's own, with a chunk that fits: break it up.
-            // Its chunks wait in the quarantine, where this stream takes them at once (above)
-            // and others once its work has passed them.
-            if self.break_up_own_pending(stream, left) {
-                continue;
-            }
-            // No cached range has a chunk that fits: break up the least recently freed one for
-            // its chunks to be split below, unless a bare chunk can be split already.
-            if !self.pool.has_bare_larger_than(left) {
-                if let Some((&seq, _)) = self.cache.lru.iter().next() {
-                    self.steal_cached(seq);
-                    continue;
+            match self.gather_next(&mut plan) {
+                Gathered::Took => continue,
+                Gathered::Grow => {
+                    grown = true;
+                    break;
                 }
+                Gathered::Nothing => break,
             }
-            // Whole window chunks larger than what is left come last, as they must be split
-            // (below): one, only when no new memory can be made and no bare chunk can be split
-            // instead.
-            if self.headroom() < left
-                && !self.pool.has_bare_larger_than(left)
-                && self.steal_window_whole()
-            {
-                continue;
-            }
-            break;
         }
+        let Gather { mut left, got, same_stream, .. } = plan;
         let mut release = Vec::new();
         let mut create = Vec::new();
         let mut spare = Vec::new();
@@ -262,35 +200,6 @@ impl Heap {
         step
     }
 
-    /// Whether a request `len` bytes long makes its `left` missing pages new rather than steal
-    /// cached ranges for them (`Options::grow_first`): held memory, with them and what plans
-    /// in flight create, stays within `grow_first_per_1024` 1,024ths above the peak in use
-    /// (the request counted as in use), and under the cap. They come as one chunk (up to
-    /// `largest_chunk_pages`), one handle to map, as `cudaMalloc` makes a segment; a bare chunk
-    /// larger than they need is not split for them (a release and two creates).
-    fn grows_first(&self, left: u64, len: u64) -> bool {
-        self.headroom() >= left && self.grow_first_room_bytes(len) >= self.bytes(left)
-    }
-
-    /// The pages `grow_first`'s budget has room for above held memory (and what plans in
-    /// flight create), for a request `len` bytes long: carving may leave that many unused.
-    pub(super) fn grow_first_room(&self, pages: u64) -> u64 {
-        self.grow_first_room_bytes(self.bytes(pages)) / self.lim.page
-    }
-
-    /// `grow_first_per_1024` 1,024ths above the peak in use (the request counted as in use),
-    /// less held memory: in bytes.
-    fn grow_first_room_bytes(&self, len: u64) -> u64 {
-        let per_1024 = self.lim.grow_first_per_1024;
-        if per_1024 == 0 {
-            return 0;
-        }
-        let allocated = &self.stats.allocated_bytes;
-        let peak = allocated.peak.max(allocated.current + len) as u128;
-        let held = self.bytes(self.pool.held_pages() + self.claims.create_pages) as u128;
-        (peak * (1024 + per_1024 as u128) / 1024).saturating_sub(held).min(u64::MAX as u128) as u64
-    }
-
     /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
     /// chunk either way (set access and unmap cost per handle), so from `large_chunk_pages` up
     /// it is the largest power of two the need holds (up to `largest_chunk_pages`): a large
@@ -306,33 +215,6 @@ impl Heap {
         } else {
             self.lim.max_chunk_pages
         }
-    }
-
-    /// Breaks up the oldest covered pending range of `stream` that holds a chunk of at most
-    /// `fit` pages: its chunks go to the quarantine under its epoch, its addresses are retired
-    /// after that epoch. Returns whether it found one.
-    fn break_up_own_pending(&mut self, stream: u64, fit: u64) -> bool {
-        let pool = &self.pool;
-        let ranges = &self.ranges;
-        let has_fit = |id: u32| {
-            ranges.try_get(id).is_some_and(|r| r.chunks.iter().any(|&c| pool.get(c).pages <= fit))
-        };
-        let Some((id, pages, epoch)) =
-            self.streams.get_mut(stream).and_then(|f| f.take_covered_range_where(has_fit))
-        else {
-            return false;
-        };
-        self.streams.range_left(pages);
-        let range = self.remove_range(id);
-        self.claims.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
-        self.stats.cached_ranges_stolen += 1;
-        self.retire_after(
-            range.va,
-            self.bytes(pages),
-            range.chunks.into_vec(),
-            Some((stream, epoch)),
-        );
-        true
     }
 
     /// Returns chunks a plan gathered but will not use: bare, except those taken from a stream's
