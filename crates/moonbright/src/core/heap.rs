@@ -1,12 +1,16 @@
-//! The heap: MoonBright's allocator state and every policy decision, always used under the
-//! allocator's lock and never calling the driver itself. Fast paths (a stream's own pending frees,
-//! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
-//! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
+//! The heap: MoonBright's allocator state, always used under the allocator's lock and never
+//! calling the driver itself. Fast paths (a stream's own pending frees, the cache of freed
+//! ranges, the mapped window, sub-page and carved arenas) complete here; everything that needs
+//! the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 //!
-//! This file holds the state, the requests' fast paths and the frees; the rest is beside it:
-//! `plan.rs` (new ranges), `cache.rs` (cached ranges and the window), `carve.rs` (carved
-//! arenas), `unmap.rs` (unmap batches, releases, teardown), `check.rs` (segments and
-//! invariants) and `growable.rs` (growable allocations).
+//! This file holds the `Heap` and a request's entry (`try_fast`, `finish`). Beside it, the
+//! books: `ranges.rs` (the range table), `cache.rs` (cached ranges, their groups, splits and
+//! steals), `live.rs` (live allocations, recent frees), `claims.rs` (work in flight, the
+//! quarantine), `window.rs` (the window and its demand), `carve.rs` (carved arenas giving chunks
+//! back); the placement policies in `policy/` (exact fit, near fit, carving, grow-first, steals,
+//! one interface); and the operations: `plan.rs` (new ranges), `free.rs`, `events.rs` (stream
+//! events), `unmap.rs` (unmap batches, releases, teardown), `export.rs`, `growable.rs`,
+//! `check.rs` (segments and invariants).
 
 use std::collections::BTreeMap;
 
