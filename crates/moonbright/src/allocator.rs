@@ -8,6 +8,7 @@ use crate::config::{BackendKind, Options};
 use crate::core::heap::{Heap, Limits};
 use crate::core::history::{HistoryEvent, SegmentInfo};
 use crate::core::stats::Stats;
+pub use crate::core::GrowableInfo;
 use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::host::{HostConfig, HostDriver};
 use crate::driver::{
@@ -159,19 +160,6 @@ impl Driver for Backend {
     fn shareable(&self) -> bool {
         self.as_dyn().shareable()
     }
-}
-
-/// The sizes of a growable allocation, in bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GrowableInfo {
-    /// Its address, fixed for its life.
-    pub base: DevicePtr,
-    /// Addresses reserved: the most it can grow to.
-    pub capacity: u64,
-    /// The size of the last resize.
-    pub size: u64,
-    /// Bytes backed by physical pages: `size` rounded up to the chunks that hold it.
-    pub committed: u64,
 }
 
 /// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free, on

@@ -1,40 +1,53 @@
-//! The heap: MoonBright's allocator state and every policy decision, always used under the
-//! allocator's lock and never calling the driver itself. Fast paths (a stream's own pending frees,
-//! the cache of freed ranges, the mapped window, sub-page arenas) complete here; everything that
-//! needs the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
+//! The heap: MoonBright's allocator state, always used under the allocator's lock and never
+//! calling the driver itself. Fast paths (a stream's own pending frees, the cache of freed
+//! ranges, the mapped window, sub-page and carved arenas) complete here; everything that needs
+//! the driver is turned into a plan (`mapping.rs`) whose outcome is committed here.
 //!
-//! This file holds the state, the requests' fast paths and the frees; the rest is beside it:
-//! `plan.rs` (new ranges), `cache.rs` (cached ranges and the window), `carve.rs` (carved
-//! arenas), `unmap.rs` (unmap batches, releases, teardown), `check.rs` (segments and
-//! invariants) and `growable.rs` (growable allocations).
+//! This file holds the `Heap` and a request's entry (`try_fast`, `finish`). Beside it, the
+//! books: `ranges.rs` (the range table), `cache.rs` (cached ranges, their groups, splits and
+//! steals), `live.rs` (live allocations, recent frees), `claims.rs` (work in flight, the
+//! quarantine), `window.rs` (the window and its demand), `carve.rs` (carved arenas giving chunks
+//! back); the placement policies in `policy/` (exact fit, near fit, carving, grow-first, steals,
+//! one interface); and the operations: `plan.rs` (new ranges), `free.rs`, `events.rs` (stream
+//! events), `unmap.rs` (unmap batches, releases, teardown), `export.rs`, `growable.rs`,
+//! `check.rs` (segments and invariants).
 
-use std::collections::{hash_map::Entry, BTreeMap, BTreeSet, VecDeque};
+use std::collections::BTreeMap;
 
-// Keys are the allocator's own pointers and ids, hashed on every request: a fast hash, not a
-// DoS-resistant one.
-use foldhash::{HashMap, HashMapExt};
-
-use super::chunks::Chunks;
 use super::history::{History, HistoryAction, HistoryEvent};
 use super::mapping::MapPlan;
 use super::pool::{ChunkId, Pool};
 use super::sizes::RecentSizes;
 use super::stats::Stats;
-use super::streams::{Pending, Streams};
-use super::subpage::{Emptied, Owner, SubPage, SUBPAGE_ALIGN};
+use super::streams::Streams;
+use super::subpage::{SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, VaSpace};
-use super::window::Window;
-use crate::driver::{CallCounts, ChunkHandle, DriverError, EventHandle};
+use crate::driver::{CallCounts, DriverError, EventHandle};
 use crate::error::{Error, Result};
 
 mod cache;
 mod carve;
 mod check;
+mod claims;
+mod events;
+mod export;
+mod free;
 mod growable;
+mod live;
 mod plan;
+mod policy;
+mod ranges;
 mod unmap;
+mod window;
+use cache::Cache;
+use claims::{Claim, Claims};
 use growable::Growable;
+pub use growable::GrowableInfo;
 pub(crate) use growable::Resize;
+use live::{Backing, Live, LiveTable, RECENT_FREES};
+use policy::{Ask, Placed};
+use ranges::{Range, Ranges, Use};
+use window::WindowBooks;
 
 /// Index of a range in the heap.
 pub(crate) type RangeId = u32;
@@ -57,8 +70,6 @@ pub(crate) enum Freed {
     CheckUses(Vec<u64>),
 }
 
-/// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
-const RECENT_FREES: usize = 4096;
 /// Room the tables requests insert into keep beyond what they hold, at least, once the worker
 /// has grown them ahead (`grow_tables_ahead`).
 const TABLE_HEADROOM: usize = 64;
@@ -69,32 +80,6 @@ fn room_to_add(len: usize, cap: usize) -> Option<usize> {
     let room = len.max(TABLE_HEADROOM);
     (cap.saturating_sub(len) < room / 2).then_some(room)
 }
-
-/// A whole window chunk up to 1/8 larger than a fresh request serves it (no driver call).
-const WINDOW_FIT_DIVISOR: u64 = 8;
-
-/// A run of chunks split off a cached range may hold up to 1/SPLIT_SLACK more than the request,
-/// where no run holds it exactly.
-const SPLIT_SLACK: u64 = 64;
-
-/// A run of chunks in a cached range: (its cache sequence number, first chunk, one past the last).
-type CachedRun = (u64, usize, usize);
-
-/// Cached ranges, smallest first, that a request looks into for a run of chunks to split off,
-/// and the chunks it looks at in all: a miss that then maps anyway pays for the search under
-/// the heap lock, so the search is bounded (a few microseconds).
-const SPLIT_CANDIDATES: usize = 64;
-const SPLIT_CHUNKS_SEEN: usize = 2048;
-
-/// Chunks a request that found no run in any one cached range looks at in all, in groups of
-/// cached neighbours large enough, smallest first, for a run across them (`Heap::split_joined`).
-const JOIN_CHUNKS_SEEN: usize = 512;
-
-/// Cached ranges, least recently freed first, a plan looks into for the one with the largest
-/// chunk no larger than what it still needs (`Heap::fitting_cached`) each time it steals one,
-/// and in all: the search runs under the heap lock.
-const STEAL_CANDIDATES: usize = 256;
-const STEAL_LOOKS: usize = 1024;
 
 /// Chunks a release-and-recreate split looks at to find one whose retired mappings can all be
 /// unmapped now (each look scans the retired ranges).
@@ -120,107 +105,10 @@ fn retired_ready(streams: &Streams, r: &Retired) -> bool {
     }
 }
 
-/// The first run of consecutive chunks, of `size(i)` pages each for `i` below `len`, that holds
-/// at least `pages` pages and at most `most`: (first, one past the last).
-fn chunk_run(
-    len: usize,
-    size: impl Fn(usize) -> u64,
-    pages: u64,
-    most: u64,
-) -> Option<(usize, usize)> {
-    let (mut end, mut sum) = (0, 0);
-    for start in 0..len {
-        // The shortest run from `start` that holds the request.
-        while end < len && sum < pages {
-            sum += size(end);
-            end += 1;
-        }
-        if sum < pages {
-            return None;
-        }
-        if sum <= most {
-            return Some((start, end));
-        }
-        sum -= size(start);
-    }
-    None
-}
-
 /// Events a stream keeps recorded and unpolled before its frees record its newest one again
 /// (`StreamFrees::event_to_record`): a burst of frees between two polls neither drains the
 /// event stock nor lists an event a free.
 const EVENTS_IN_FLIGHT: usize = 8;
-
-/// What a mapped range is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Use {
-    /// Backs one allocation of a page or more.
-    Alloc,
-    /// An arena of the sub-page allocator.
-    Arena,
-    /// A carved arena: blocks of a page or more cut out of a cached range (`Options::carve`).
-    Carved,
-    /// Freed on a stream whose work may still use it: only that stream may reuse it.
-    Pending,
-    /// An arena with no block in use whose space one stream still holds (`Emptied::held`): as
-    /// `Pending`, but its blocks' frees are in the history already, and no allocation's is.
-    PendingArena,
-    /// Free, still mapped, reusable as it is; `seq` orders the cache from least recently freed.
-    Cached { seq: u64 },
-}
-
-/// Chunks mapped back to back at `va`.
-#[derive(Clone, Debug)]
-struct Range {
-    va: u64,
-    pages: u64,
-    chunks: Chunks,
-    use_: Use,
-}
-
-/// Where a live allocation lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Backing {
-    Range(RangeId),
-    Sub { arena: RangeId, offset: u64 },
-}
-
-#[derive(Clone, Debug)]
-struct Live {
-    size: u64,
-    rounded: u64,
-    stream: u64,
-    backing: Backing,
-    /// Other streams whose work uses it (`record_use`), if any: a free on a stream waits for
-    /// them too.
-    uses: Vec<u64>,
-    /// Freed by its user into the graph pool that owns it (`pool_keep`): still the pool's and
-    /// mapped, but no longer counted as allocated or active, nor shown as a block in use.
-    pooled: bool,
-}
-
-/// What a plan in flight, or a release in flight, holds until it commits.
-#[derive(Debug, Default)]
-struct Claim {
-    /// Chunks neither bare nor in a range meanwhile.
-    chunks: Vec<ChunkId>,
-    /// The plan's fresh addresses (va, len); none for a release.
-    va: Option<(u64, u64)>,
-    /// Chunks it took from its stream's pending frees: (chunk, stream, epoch). If the plan
-    /// fails they are quarantined, not made bare.
-    same_stream: Vec<(ChunkId, u64, u64)>,
-}
-
-/// The chunks behind one allocation, for an export (`Heap::shared_chunks`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct SharedChunks {
-    /// (handle, bytes) in address order.
-    pub chunks: Vec<(ChunkHandle, u64)>,
-    /// Where the allocation starts in the first chunk.
-    pub offset: u64,
-    /// The allocation's size in bytes.
-    pub size: u64,
-}
 
 /// Limits the heap works within, fixed at creation.
 #[derive(Clone, Copy, Debug)]
@@ -294,13 +182,6 @@ pub(crate) enum Step {
     OutOfMemory(Error),
 }
 
-/// What `Heap::take_exact` found: a range, or the near run (a cached range's seq, and the
-/// run's first and last chunk) its search found for `take_near`.
-enum Taken {
-    Range(RangeId),
-    Missed { near_run: Option<CachedRun> },
-}
-
 /// The outcome of a fast-path attempt.
 #[derive(Debug)]
 pub(crate) enum Fast {
@@ -310,69 +191,9 @@ pub(crate) enum Fast {
     NeedRange { pages: u64, arena: bool },
 }
 
-#[derive(Debug)]
-pub(crate) struct Heap {
-    lim: Limits,
-    pool: Pool,
-    va: VaSpace,
-    sub: SubPage,
-    /// Carved arenas: runs of cached chunks cut page-granular into allocations of a
-    /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
-    /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
-    carved: SubPage,
-    streams: Streams,
-    window: Window,
-    /// The address slab the window grows in: (next, end).
-    window_slab: (u64, u64),
-    ranges: Vec<Option<Range>>,
-    free_range_ids: Vec<RangeId>,
-    /// Live, pending and cached ranges by base address.
-    by_va: BTreeMap<u64, RangeId>,
-    /// Cached ranges as (pages, address, seq), seq -> range in freeing order, and address ->
-    /// (seq, pages, range).
-    cached_by_size: BTreeSet<(u64, u64, u64)>,
-    cached_lru: BTreeMap<u64, RangeId>,
-    cached_by_va: BTreeMap<u64, (u64, u64, RangeId)>,
-    /// Groups of cached neighbours: each run of two or more cached ranges back to back in one
-    /// reservation, as start -> end, and as (pages, start) for `split_joined`, which so finds
-    /// the smallest group large enough with no scan of the cache.
-    cached_groups: BTreeMap<u64, u64>,
-    cached_groups_by_size: BTreeSet<(u64, u64)>,
-    cached_pages: u64,
-    next_seq: u64,
-    live: HashMap<u64, Live>,
-    /// Recently freed pointers, to tell a double free from an unknown pointer: pointer -> the
-    /// generation of its last free, and the frees in order (stale entries are skipped when
-    /// they reach the front), so both remembering and forgetting cost O(1).
-    recent_frees: VecDeque<(u64, u64)>,
-    recent_free_gen: HashMap<u64, u64>,
-    free_generation: u64,
-    /// What plans and releases in flight hold, by plan id.
-    inflight: HashMap<u64, Claim>,
-    /// Chunks that only become bare once their stream's epoch has completed.
-    quarantine: Vec<(ChunkId, u64, u64)>,
-    inflight_create_pages: u64,
-    next_plan: u64,
-    /// Retired runs being unmapped with the lock released.
-    unmapping: usize,
-    /// Those of them inside growables' private reservations: (va, len).
-    unmapping_private: Vec<(u64, u64)>,
-    /// Growable allocations by base address (released ones until their addresses are unmapped).
-    growables: BTreeMap<u64, Growable>,
-    /// Pages served at fresh addresses (window or new mapping) since the mapper last looked.
-    fresh_pages: u64,
-    /// The largest of those requests since then, in pages (what the mapper shapes whole
-    /// window chunks by).
-    fresh_largest: u64,
-    /// When a request last finished mapping a range itself (the mapper keeps out of its way).
-    last_request_map: Option<crate::sync::Instant>,
-    /// Events the background worker created ahead of need, for frees on any stream that has no
-    /// spare event of its own, so that a burst of frees records events without creating them.
-    event_stock: Vec<EventHandle>,
-    /// Frees on streams (and shrinks) whose own event records are still to be settled: until
-    /// then their pages are neither free nor covered by an event anyone could wait for.
-    records_in_flight: u32,
-    stats: Stats,
+/// What the heap notes beside its books: reports, the cap's past, and recent request sizes.
+#[derive(Debug, Default)]
+struct Notes {
     /// The driver's call counts when accumulated statistics were last reset: `Allocator::stats`
     /// reports the calls made since.
     calls_at_reset: CallCounts,
@@ -384,8 +205,39 @@ pub(crate) struct Heap {
     over_cap: Option<u64>,
     history: Option<History>,
     /// Sizes of recent requests of a page or more: carving's larger budget for repeated sizes
-    /// (`Options::carve_repeated`).
+    /// (`Options::carve_repeated`) and smaller chunks for them (`max_chunk_repeated_bytes`).
     sizes: RecentSizes,
+}
+
+/// MoonBright's allocator state: the books (chunks, addresses, ranges, the cache, arenas,
+/// streams, live allocations, work in flight) and the placement policies run over them
+/// (`policy/`).
+#[derive(Debug)]
+pub(crate) struct Heap {
+    lim: Limits,
+    pool: Pool,
+    va: VaSpace,
+    sub: SubPage,
+    /// Carved arenas: runs of cached chunks cut page-granular into allocations of a
+    /// page or more (`Options::carve`), by the same best fit and stream holds as `sub`. The
+    /// range's use (`Use::Arena` or `Use::Carved`) says which of the two owns an arena.
+    carved: SubPage,
+    /// Stream-ordered frees, and the events stocked for them.
+    streams: Streams,
+    /// The window, the address slab it grows in, and the demand the mapper shapes it by.
+    window: WindowBooks,
+    /// Live, pending, arena and cached ranges, by id and by address.
+    ranges: Ranges,
+    /// The cached ranges, indexed for the placement policies.
+    cache: Cache,
+    /// Live allocations and recently freed pointers.
+    live: LiveTable,
+    /// What plans, releases, unmap batches and event records in flight hold.
+    claims: Claims,
+    /// Growable allocations by base address (released ones until their addresses are unmapped).
+    growables: BTreeMap<u64, Growable>,
+    stats: Stats,
+    notes: Notes,
 }
 
 impl Heap {
@@ -397,40 +249,14 @@ impl Heap {
             sub: SubPage::default(),
             carved: SubPage::tracking_freed(),
             streams: Streams::default(),
-            window: Window::new(lim.page),
-            window_slab: (0, 0),
-            ranges: Vec::new(),
-            free_range_ids: Vec::new(),
-            by_va: BTreeMap::new(),
-            cached_by_size: BTreeSet::new(),
-            cached_lru: BTreeMap::new(),
-            cached_by_va: BTreeMap::new(),
-            cached_groups: BTreeMap::new(),
-            cached_groups_by_size: BTreeSet::new(),
-            cached_pages: 0,
-            next_seq: 0,
-            live: HashMap::new(),
-            recent_frees: VecDeque::new(),
-            recent_free_gen: HashMap::new(),
-            free_generation: 0,
-            inflight: HashMap::new(),
-            quarantine: Vec::new(),
-            inflight_create_pages: 0,
-            next_plan: 0,
-            unmapping: 0,
-            unmapping_private: Vec::new(),
+            window: WindowBooks::new(lim.page),
+            ranges: Ranges::default(),
+            cache: Cache::default(),
+            live: LiveTable::default(),
+            claims: Claims::default(),
             growables: BTreeMap::new(),
-            fresh_pages: 0,
-            fresh_largest: 0,
-            last_request_map: None,
-            event_stock: Vec::new(),
-            records_in_flight: 0,
             stats: Stats::default(),
-            calls_at_reset: CallCounts::default(),
-            deferred_error: None,
-            over_cap: None,
-            history: None,
-            sizes: RecentSizes::default(),
+            notes: Notes::default(),
         }
     }
 
@@ -444,8 +270,8 @@ impl Heap {
     /// caller releases what no allocation uses.
     pub fn set_cap(&mut self, cap: u64) {
         self.lim.cap = cap;
-        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages);
-        self.over_cap = (held > cap).then_some(held);
+        let held = self.bytes(self.pool.held_pages() + self.claims.create_pages);
+        self.notes.over_cap = (held > cap).then_some(held);
     }
 
     pub fn stats(&self) -> &Stats {
@@ -460,155 +286,36 @@ impl Heap {
     /// driver's call counts, becomes the base the reported counts start from.
     pub fn reset_accumulated(&mut self, calls_now: CallCounts) {
         self.stats.reset_accumulated();
-        self.calls_at_reset = calls_now;
+        self.notes.calls_at_reset = calls_now;
     }
 
     /// The driver's call counts at the last reset of accumulated statistics.
     pub fn calls_at_reset(&self) -> &CallCounts {
-        &self.calls_at_reset
+        &self.notes.calls_at_reset
     }
 
     pub fn take_deferred_error(&mut self) -> Option<DriverError> {
-        self.deferred_error.take()
+        self.notes.deferred_error.take()
     }
 
     pub fn note_deferred_error(&mut self, e: DriverError) {
         self.stats.deferred_errors += 1;
-        self.deferred_error = Some(e);
+        self.notes.deferred_error = Some(e);
     }
 
     /// The usable size of a live allocation (its rounded size), if `ptr` is one.
     pub fn usable_size(&self, ptr: u64) -> Option<u64> {
-        self.live.get(&ptr).map(|l| l.rounded)
+        self.live.allocs.get(&ptr).map(|l| l.rounded)
     }
 
-    /// What exporting the live allocation (or growable) at `ptr` shares (`Allocator::export`):
-    /// the chunks that back it, in address order, as (handle, bytes), only those its bytes lie
-    /// in; where it starts in the first; and its size. With `mark`, marks them exported, before
-    /// the driver exports them (so that a free meanwhile cannot hand them to another
-    /// allocation): from then on they are never reused here, and once freed they go back to
-    /// the driver (`Pool::put_bare`, `discard_range`), even if the export then fails. A block
-    /// carved from an arena (below a page, or cut from cached chunks) shares its chunks with
-    /// other allocations, which the importer would reach: it is refused (docs/security.md). A
-    /// growable shares the chunks committed now. Refuses any other pointer as `free` would.
-    pub fn shared_chunks(&mut self, ptr: u64, mark: bool) -> Result<SharedChunks> {
-        if let Some(live) = self.live.get(&ptr).filter(|l| !l.pooled) {
-            let id = match live.backing {
-                Backing::Range(id) => id,
-                Backing::Sub { arena, .. } => {
-                    let (what, remedy) = if self.range(arena).use_ == Use::Arena {
-                        (
-                            "a block below a page, carved from a page",
-                            format!("allocate what you share with {} bytes or more", self.lim.page),
-                        )
-                    } else {
-                        (
-                            "a block carved from a run of cached chunks (option `carve`)",
-                            "set options `carve` and `carve_repeated` to 0 in a process that \
-                             shares what it allocates"
-                                .to_string(),
-                        )
-                    };
-                    return Err(Error::Ipc(format!(
-                        "{ptr:#x} ({} bytes) is {what} that other allocations share: an \
-                         importer would reach their memory, so it is not exported; {remedy} \
-                         (docs/security.md)",
-                        live.size
-                    )));
-                }
-            };
-            let size = live.size;
-            let chunks = self.range(id).chunks.to_vec();
-            let shared = self.export_covering(&chunks, size, mark);
-            return Ok(SharedChunks { chunks: shared, offset: 0, size });
-        }
-        if let Ok(g) = self.live_growable(ptr) {
-            if g.chunks.is_empty() {
-                return Err(Error::InvalidArgument(format!(
-                    "growable allocation {ptr:#x} has no memory committed to share; resize it first"
-                )));
-            }
-            let (chunks, size) = (g.chunks.clone(), g.size);
-            let shared = self.export_covering(&chunks, size.max(1), mark);
-            return Ok(SharedChunks { chunks: shared, offset: 0, size });
-        }
-        Err(self.classify_bad_free(ptr))
-    }
-
-    /// The leading chunks of `chunks` that `size` bytes from the first's start lie in, as
-    /// (handle, bytes); with `mark`, marked exported.
-    fn export_covering(
-        &mut self,
-        chunks: &[ChunkId],
-        size: u64,
-        mark: bool,
-    ) -> Vec<(ChunkHandle, u64)> {
-        let mut out = Vec::new();
-        let mut covered = 0;
-        for &c in chunks {
-            if covered >= size {
-                break;
-            }
-            if mark {
-                self.pool.mark_exported(c);
-            }
-            let bytes = self.bytes(self.pool.get(c).pages);
-            out.push((self.pool.get(c).handle, bytes));
-            covered += bytes;
-        }
-        out
-    }
-
-    /// Whether range `id` holds an exported chunk (checked only once anything was exported).
-    fn holds_exported(&self, id: RangeId) -> bool {
-        self.pool.any_exported() && self.range(id).chunks.iter().any(|&c| self.pool.get(c).exported)
-    }
-
-    /// Takes apart a freed range that holds exported chunks instead of caching it: its
-    /// addresses are retired (unmapped once `after`, a stream's epoch, has passed), its
-    /// exported chunks doomed (released once unmapped, never reused), the others bare.
-    fn discard_range(&mut self, id: RangeId, after: Option<(u64, u64)>) {
-        let range = self.remove_range(id);
-        for &c in range.chunks.iter() {
-            self.pool.put_bare(c);
-        }
-        let len = self.bytes(range.pages);
-        self.retire_after(range.va, len, range.chunks.into_vec(), after);
-    }
-
-    /// How many exported chunks wait to be released, still mapped by retired ranges or not: held
-    /// memory no request can use until they go.
-    pub fn doomed_chunks(&self) -> usize {
-        self.pool.doomed_count()
-    }
-
-    /// Whether an exported chunk waits, unmapped, to be released (`take_doomed`).
-    pub fn has_doomed(&self) -> bool {
-        self.pool.any_exported() && self.pool.has_doomed_unmapped()
-    }
-
-    /// Takes out the exported chunks that no range uses and that are mapped nowhere, for
-    /// release, as `take_releasable` does (a claim id, and the chunks).
-    pub fn take_doomed(&mut self) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
-        let out: Vec<_> = self
-            .pool
-            .take_doomed()
-            .into_iter()
-            .map(|c| (c, self.pool.get(c).handle, self.pool.get(c).pages))
-            .collect();
-        let id = self.next_plan;
-        self.next_plan += 1;
-        let chunks = out.iter().map(|r| r.0).collect();
-        self.inflight.insert(id, Claim { chunks, ..Claim::default() });
-        (id, out)
-    }
-
+    #[inline]
     fn range(&self, id: RangeId) -> &Range {
-        self.ranges[id as usize].as_ref().expect("no such range")
+        self.ranges.get(id)
     }
 
+    #[inline]
     fn range_mut(&mut self, id: RangeId) -> &mut Range {
-        self.ranges[id as usize].as_mut().expect("no such range")
+        self.ranges.get_mut(id)
     }
 
     fn bytes(&self, pages: u64) -> u64 {
@@ -619,16 +326,16 @@ impl Heap {
 
     /// Starts recording up to `max` events (dropping the oldest), or stops with `None`.
     pub fn set_history(&mut self, max: Option<usize>) {
-        self.history = max.map(|m| History::new(m, crate::sync::Instant::now()));
+        self.notes.history = max.map(|m| History::new(m, crate::sync::Instant::now()));
     }
 
     /// The events recorded so far.
     pub fn history(&self) -> Vec<HistoryEvent> {
-        self.history.as_ref().map(History::events).unwrap_or_default()
+        self.notes.history.as_ref().map(History::events).unwrap_or_default()
     }
 
     fn note(&mut self, action: HistoryAction, addr: u64, size: u64, stream: u64) {
-        if let Some(h) = &mut self.history {
+        if let Some(h) = &mut self.notes.history {
             h.push(action, addr, size, stream);
         }
     }
@@ -657,27 +364,18 @@ impl Heap {
                 self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
                 return Ok(Fast::Done(ptr));
             }
-            return self.take_range_fast(1, stream).map(|id| match id {
-                Some(id) => Fast::Done(self.start_arena(id, size, stream)),
+            return Ok(match self.place_arena_page(&mut Ask::new(size, 1, stream)) {
+                Some(Placed::Range(id)) => Fast::Done(self.start_arena(id, size, stream)),
+                Some(Placed::Block(_)) => unreachable!("an arena's page is a range"),
                 None => Fast::NeedRange { pages: 1, arena: true },
             });
         }
         let pages = size.div_ceil(self.lim.page);
-        if let Some(ptr) = self.take_carved(size, pages, stream) {
-            return Ok(Fast::Done(ptr));
-        }
-        let near_run = match self.take_exact(pages, stream) {
-            Taken::Range(id) => return Ok(Fast::Done(self.finish_range(id, size, stream))),
-            Taken::Missed { near_run } => near_run,
-        };
-        if let Some(id) = self.take_near(pages, near_run) {
-            return Ok(Fast::Done(self.finish_range(id, size, stream)));
-        }
-        let repeated = self.tells_repeated() && self.sizes.contains(size);
-        if let Some(ptr) = self.start_carving(size, pages, stream, repeated) {
-            return Ok(Fast::Done(ptr));
-        }
-        Ok(Fast::NeedRange { pages, arena: false })
+        Ok(match self.place_pages(&mut Ask::new(size, pages, stream)) {
+            Some(Placed::Range(id)) => Fast::Done(self.finish_range(id, size, stream)),
+            Some(Placed::Block(ptr)) => Fast::Done(ptr),
+            None => Fast::NeedRange { pages, arena: false },
+        })
     }
 
     /// Whether a repeated size's new memory comes in smaller chunks
@@ -689,82 +387,6 @@ impl Heap {
     /// Whether requests' sizes are kept (`sizes`), for either use of them.
     fn keeps_sizes(&self) -> bool {
         self.tells_repeated() || self.cuts_repeated()
-    }
-
-    /// A range of `pages` pages with no driver call, exact before near: one of exactly that size
-    /// from the stream's own pending frees or the cache, the lowest address first; else a run of
-    /// chunks of exactly that size split off a larger cached range (`split_cached`) or across
-    /// cached neighbours (`split_joined`); else the smallest cached range up to `near_fit` larger
-    /// (an eighth by default; the extra pages stay with the allocation until it is freed,
-    /// counted as rounding); else a run up to `SPLIT_SLACK` larger split off a cached range;
-    /// else the window. Lowest address first (not newest), so that the same requests in the
-    /// same order get the same ranges back whether or not their frees have completed, as from
-    /// PyTorch's allocator.
-    ///
-    /// Exact before near: extra pages held by live allocations are held at the peak too. With
-    /// near fits before exact splits, ResNet-50's trace held 1.015 of its peak (host backend)
-    /// against 1.010 now, its page-rounding floor plus its arenas' spare room (design.md,
-    /// "Exact before near").
-    fn take_range_fast(&mut self, pages: u64, stream: u64) -> Result<Option<RangeId>> {
-        Ok(match self.take_exact(pages, stream) {
-            Taken::Range(id) => Some(id),
-            Taken::Missed { near_run } => self.take_near(pages, near_run),
-        })
-    }
-
-    /// The exact half of `take_range_fast`: the stream's own pending frees, the cache, a run
-    /// split off a cached range or across cached neighbours. A miss hands on the near run its
-    /// search found, for `take_near`.
-    fn take_exact(&mut self, pages: u64, stream: u64) -> Taken {
-        let exact =
-            self.cached_by_size.range((pages, 0, 0)..=(pages, u64::MAX, u64::MAX)).next().copied();
-        let own = self.streams.get_mut(stream).and_then(|f| {
-            let (va, seq) = f.peek_range(pages)?;
-            (!exact.is_some_and(|c| c.1 < va)).then(|| f.take(seq))
-        });
-        if let Some(id) = own {
-            self.streams.range_left(pages);
-            let r = self.range(id);
-            if r.use_ == Use::Pending {
-                self.note(HistoryAction::FreeCompleted, r.va, self.bytes(pages), stream);
-            }
-            self.stats.cache_hits += 1;
-            return Taken::Range(id);
-        }
-        if let Some((_, _, seq)) = exact {
-            self.stats.cache_hits += 1;
-            return Taken::Range(self.uncache(seq));
-        }
-        let (exact_run, near_run) = self.split_cached(pages);
-        let exact_run = exact_run.map(|(seq, start, end)| self.split_off(seq, start, end));
-        if let Some(id) = exact_run.or_else(|| self.split_joined(pages)) {
-            self.stats.cache_hits += 1;
-            return Taken::Range(id);
-        }
-        Taken::Missed { near_run }
-    }
-
-    /// The near half of `take_range_fast`: a cached range up to `near_fit` larger, whole; a
-    /// run up to `SPLIT_SLACK` larger split off a cached range; the window.
-    fn take_near(&mut self, pages: u64, near_run: Option<CachedRun>) -> Option<RangeId> {
-        let slack = pages * self.lim.near_fit_per_1024 / 1024;
-        let near = self.cached_by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
-        if let Some(&(_, _, seq)) = near {
-            self.stats.cache_hits += 1;
-            return Some(self.uncache(seq));
-        }
-        if let Some((seq, start, end)) = near_run {
-            self.stats.cache_hits += 1;
-            return Some(self.split_off(seq, start, end));
-        }
-        if let Some((va, got, chunks)) = self.window.take(pages, pages + pages / WINDOW_FIT_DIVISOR)
-        {
-            self.stats.window_hits += 1;
-            self.stats.window_bytes.sub(self.bytes(got));
-            self.note_fresh(pages, got);
-            return Some(self.add_range(va, got, chunks, Use::Alloc));
-        }
-        None
     }
 
     /// Counts a request's own synchronous map (attempted, whether or not it succeeded).
@@ -780,7 +402,7 @@ impl Heap {
     pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
         let pages = self.range(id).pages;
         self.note_fresh(pages, pages);
-        self.last_request_map = Some(crate::sync::Instant::now());
+        self.window.last_request_map = Some(crate::sync::Instant::now());
         if arena {
             self.start_arena(id, size, stream)
         } else {
@@ -791,8 +413,7 @@ impl Heap {
     /// Counts a request of `asked` pages served `got` pages at fresh addresses (the mapper's
     /// measure of demand).
     fn note_fresh(&mut self, asked: u64, got: u64) {
-        self.fresh_pages += got;
-        self.fresh_largest = self.fresh_largest.max(asked);
+        self.window.note_fresh(asked, got);
     }
 
     fn start_arena(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
@@ -820,12 +441,12 @@ impl Heap {
         }
         self.count(size, rounded);
         if size >= self.lim.page && self.keeps_sizes() {
-            self.sizes.insert(size);
+            self.notes.sizes.insert(size);
         }
-        self.recent_free_gen.remove(&ptr);
+        self.live.forget_free(ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
         let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false };
-        let prev = self.live.insert(ptr, live);
+        let prev = self.live.allocs.insert(ptr, live);
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }
 
@@ -837,15 +458,15 @@ impl Heap {
     /// a table is grown to hold twice its entries (at least `TABLE_HEADROOM` more), so a burst
     /// of requests between two of the worker's ticks does not grow it.
     pub fn grow_tables_ahead(&mut self) {
-        if let Some(n) = room_to_add(self.live.len(), self.live.capacity()) {
-            self.live.reserve(n);
+        if let Some(n) = room_to_add(self.live.allocs.len(), self.live.allocs.capacity()) {
+            self.live.allocs.reserve(n);
         }
-        if let Some(n) = room_to_add(self.ranges.len(), self.ranges.capacity()) {
-            self.ranges.reserve(n);
+        if let Some(n) = room_to_add(self.ranges.slots.len(), self.ranges.slots.capacity()) {
+            self.ranges.slots.reserve(n);
         }
-        let (len, cap) = (self.recent_free_gen.len(), self.recent_free_gen.capacity());
+        let (len, cap) = (self.live.recent_free_gen.len(), self.live.recent_free_gen.capacity());
         if let Some(n) = room_to_add(len, cap) {
-            self.recent_free_gen.reserve(n.min(RECENT_FREES));
+            self.live.recent_free_gen.reserve(n.min(RECENT_FREES));
         }
     }
 
@@ -859,474 +480,7 @@ impl Heap {
         self.stats.num_ooms += 1;
         self.note(HistoryAction::Oom, 0, size, stream);
     }
-
-    // ---- freeing --------------------------------------------------------------------------------
-
-    fn take_live(&mut self, ptr: u64) -> Result<Live> {
-        self.take_live_unless(ptr, |_| false).map(|l| l.expect("never kept"))
-    }
-
-    /// `take_live`, unless `keep` says to leave the allocation as it is (`Ok(None)`): one hash
-    /// lookup either way, on the free path.
-    fn take_live_unless(
-        &mut self,
-        ptr: u64,
-        keep: impl FnOnce(&Live) -> bool,
-    ) -> Result<Option<Live>> {
-        let live = match self.live.entry(ptr) {
-            Entry::Occupied(e) if keep(e.get()) => return Ok(None),
-            Entry::Occupied(e) => Some(e.remove()),
-            Entry::Vacant(_) => None,
-        };
-        let Some(live) = live else {
-            return Err(self.classify_bad_free(ptr));
-        };
-        // A pooled block left the counts when its pool kept it.
-        if !live.pooled {
-            self.uncount(live.size, live.rounded);
-        }
-        self.remember_free(ptr);
-        Ok(Some(live))
-    }
-
-    /// Adds an allocation of `size` bytes (`rounded` held) to the statistics.
-    fn count(&mut self, size: u64, rounded: u64) {
-        self.stats.allocated_bytes.add(size);
-        self.stats.active_bytes.add(rounded);
-        self.stats.rounding_waste_bytes.add(rounded - size);
-        self.stats.allocations.add(1);
-    }
-
-    /// Takes an allocation of `size` bytes (`rounded` held) out of the statistics.
-    fn uncount(&mut self, size: u64, rounded: u64) {
-        self.stats.allocated_bytes.sub(size);
-        self.stats.active_bytes.sub(rounded);
-        self.stats.rounding_waste_bytes.sub(rounded - size);
-        self.stats.allocations.sub(1);
-    }
-
-    // ---- graph pools' blocks --------------------------------------------------------------------
-
-    /// A graph pool keeps the block at `ptr` that its user freed: it stays live here (the
-    /// pool's, mapped), but no longer counts as allocated or active, as PyTorch counts a
-    /// graph-private pool's free blocks, and shows as free space in `segments`. The history
-    /// keeps it allocated until the pool hands it back to the heap, so that its events pair up.
-    /// Does nothing to a block not live, or kept already.
-    pub fn pool_keep(&mut self, ptr: u64) {
-        let Some(live) = self.live.get_mut(&ptr).filter(|l| !l.pooled) else { return };
-        live.pooled = true;
-        let (size, rounded) = (live.size, live.rounded);
-        self.uncount(size, rounded);
-    }
-
-    /// A graph pool hands its kept block at `ptr` to a request of `size` bytes on `stream`: it
-    /// counts as allocated again. Does nothing to a block not kept.
-    pub fn pool_reuse(&mut self, ptr: u64, size: u64, stream: u64) {
-        let Some(live) = self.live.get_mut(&ptr).filter(|l| l.pooled) else { return };
-        live.pooled = false;
-        live.size = size.min(live.rounded);
-        live.stream = stream;
-        let (size, rounded) = (live.size, live.rounded);
-        self.count(size, rounded);
-    }
-
-    /// A graph pool makes its kept block at `ptr` live again as it was (a checkpointed pool
-    /// state set back), for `stream`: it counts as allocated again, with the size last asked.
-    pub fn pool_revive(&mut self, ptr: u64, stream: u64) {
-        let Some(size) = self.live.get(&ptr).filter(|l| l.pooled).map(|l| l.size) else { return };
-        self.pool_reuse(ptr, size, stream);
-    }
-
-    /// Remembers a freed pointer, to tell a double free from an unknown pointer.
-    fn remember_free(&mut self, ptr: u64) {
-        if self.recent_frees.len() == RECENT_FREES {
-            if let Some((old, generation)) = self.recent_frees.pop_front() {
-                if self.recent_free_gen.get(&old) == Some(&generation) {
-                    self.recent_free_gen.remove(&old);
-                }
-            }
-        }
-        self.free_generation += 1;
-        self.recent_frees.push_back((ptr, self.free_generation));
-        self.recent_free_gen.insert(ptr, self.free_generation);
-    }
-
-    /// Frees at once: the caller guarantees no device work uses the memory any more.
-    pub fn free_now(&mut self, ptr: u64) -> Result<()> {
-        let live = self.take_live(ptr)?;
-        self.note(HistoryAction::FreeRequested, ptr, live.size, live.stream);
-        self.note(HistoryAction::FreeCompleted, ptr, live.size, live.stream);
-        self.release_backing(live.backing);
-        Ok(())
-    }
-
-    /// Notes that work on `stream` uses the live allocation at `ptr` (PyTorch's
-    /// `recordStream`): a later `free_on_stream` waits for `stream`'s work queued before it too.
-    /// Refuses a pointer that is not the start of a live allocation, and changes nothing then.
-    pub fn record_use(&mut self, ptr: u64, stream: u64) -> Result<()> {
-        let Some(live) = self.live.get_mut(&ptr) else {
-            return Err(match self.classify_bad_free(ptr) {
-                Error::DoubleFree { ptr } => Error::UnknownPointer { ptr },
-                e => e,
-            });
-        };
-        if !live.uses.contains(&stream) {
-            live.uses.push(stream);
-        }
-        Ok(())
-    }
-
-    /// Frees in `stream`'s order: reusable at once by `stream`, by others once an event recorded
-    /// after this free has completed. Returns the events the caller must record now: one on
-    /// `stream`, or, for an allocation other streams use too (`record_use`), one on each of
-    /// those streams and on `stream`. Such a free is joined (`Streams::push_joined`): no stream,
-    /// `stream` included, reuses it until each one's work queued before the free has completed.
-    /// Until `uses_checked`, such a free changes nothing and asks the caller to check that none
-    /// of those streams is capturing (`Freed::CheckUses`), as it must for `stream`.
-    pub fn free_on_stream(&mut self, ptr: u64, stream: u64, uses_checked: bool) -> Result<Freed> {
-        let keep = |l: &Live| !uses_checked && l.uses.iter().any(|&u| u != stream);
-        let Some(live) = self.take_live_unless(ptr, keep)? else {
-            // Kept live for the check (a second lookup, on this rare path only).
-            return Ok(Freed::CheckUses(self.live[&ptr].uses.clone()));
-        };
-        self.note(HistoryAction::FreeRequested, ptr, live.size, stream);
-        let what = match live.backing {
-            Backing::Range(id) => {
-                self.range_mut(id).use_ = Use::Pending;
-                Pending::Range { id, va: self.range(id).va, pages: self.range(id).pages }
-            }
-            Backing::Sub { .. } => Pending::Block { ptr, rounded: live.rounded },
-        };
-        if live.uses.iter().all(|&u| u == stream) {
-            let epoch = match what {
-                // Exported: never reused, not even by `stream`; unmapped once its work passes.
-                Pending::Range { id, va, pages } if self.holds_exported(id) => {
-                    let epoch = self.streams.push(stream, Pending::Mark);
-                    self.discard_range(id, Some((stream, epoch)));
-                    self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
-                    epoch
-                }
-                // Free at once, held for the stream in its arena until the epoch completes
-                // (`SubPage`): as PyTorch's allocator, the history shows the free complete now.
-                Pending::Block { ptr, rounded } => {
-                    let Backing::Sub { arena, offset } = live.backing else {
-                        unreachable!("a block is backed by an arena")
-                    };
-                    let epoch = self.streams.hold(stream);
-                    // A sub-page arena this empties goes back when `settle` opens its space; a
-                    // carved one's whole free chunks go pending for the stream at once.
-                    self.arenas_of(arena).free(arena, offset, Owner::Held { stream, epoch });
-                    self.uncarve_freed();
-                    self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
-                    epoch
-                }
-                _ => self.streams.push(stream, what),
-            };
-            if self.lim.defer_free_events {
-                // `streams_needing_events` lists the stream until a record covers `epoch`.
-                self.streams.entry(stream).leave_unrecorded(epoch);
-                return Ok(Freed::Deferred);
-            }
-            return Ok(Freed::One(self.record_for(stream, epoch)));
-        }
-        let mut streams = vec![stream];
-        streams.extend(live.uses.iter().filter(|&&u| u != stream));
-        self.stats.joined_frees += 1;
-        let waits = self.streams.push_joined(&streams, what);
-        Ok(Freed::Joined(waits.into_iter().map(|(s, epoch)| self.record_for(s, epoch)).collect()))
-    }
-
-    /// The event record a free of `epoch` on `stream` asks for, counted in flight.
-    fn record_for(&mut self, stream: u64, epoch: u64) -> StreamRecord {
-        self.records_in_flight += 1;
-        let spare = self
-            .streams
-            .entry(stream)
-            .event_to_record(EVENTS_IN_FLIGHT)
-            .or_else(|| self.event_stock.pop());
-        (stream, epoch, spare)
-    }
-
-    /// How many events the stock lacks, once it is down to half of `target` (0 otherwise).
-    pub fn event_stock_wanted(&self, target: usize) -> usize {
-        if self.event_stock.len() <= target / 2 {
-            target - self.event_stock.len()
-        } else {
-            0
-        }
-    }
-
-    /// Takes out the events the stock holds beyond `target`, once it holds more than twice
-    /// that: events of forgotten streams come back to the stock, and a burst of many streams
-    /// would otherwise leave thousands created for good.
-    pub fn event_stock_excess(&mut self, target: usize) -> Vec<EventHandle> {
-        if self.event_stock.len() > 2 * target {
-            self.event_stock.split_off(target)
-        } else {
-            Vec::new()
-        }
-    }
-
-    /// Events in the stock.
-    pub fn events_stocked(&self) -> usize {
-        self.event_stock.len()
-    }
-
-    /// Adds events created ahead of need to the stock.
-    pub fn stock_events(&mut self, events: Vec<EventHandle>) {
-        self.event_stock.extend(events);
-    }
-
-    /// Settles a record of an event on `stream` for the free of `epoch`: `Ok(event)` was
-    /// recorded after it; `Err(event)` failed (the event, if one was made, becomes a spare, and
-    /// the worker records one for the free later). `own` says whether it was the record the free
-    /// itself asked for (`free_on_stream`, a shrink on a stream), which is in flight until now.
-    pub fn record_settled(
-        &mut self,
-        stream: u64,
-        epoch: u64,
-        outcome: std::result::Result<EventHandle, Option<EventHandle>>,
-        own: bool,
-    ) {
-        if own {
-            self.records_in_flight -= 1;
-        }
-        let f = self.streams.entry(stream);
-        match outcome {
-            Ok(event) => f.recorded(epoch, event),
-            Err(spare) => {
-                f.record_failed(epoch);
-                if let Some(event) = spare {
-                    f.return_event(event);
-                }
-            }
-        }
-    }
-
-    /// Streams with a free whose own event record failed and that no record since covers:
-    /// (stream, newest epoch, spare event). Never a stream whose frees wait only for their own
-    /// records still in flight (see `StreamFrees::needs_event`).
-    pub fn streams_needing_events(&mut self) -> Vec<(u64, u64, Option<EventHandle>)> {
-        let mut out = Vec::new();
-        for (s, f) in self.streams.iter_mut() {
-            if f.needs_event() {
-                let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-                let ev = f.event_to_record(EVENTS_IN_FLIGHT).or_else(|| self.event_stock.pop());
-                out.push((s, epoch, ev));
-            }
-        }
-        out
-    }
-
-    /// Whether any recorded event is not known complete (what `events_to_query` would list).
-    pub fn has_listed_events(&self) -> bool {
-        self.streams.iter().any(|(_, f)| f.events().next().is_some())
-    }
-
-    /// Every recorded event not known complete, per stream, oldest epoch first. Frees on one
-    /// stream from two threads may record their events in the other order than their epochs
-    /// (each records after leaving the lock), so the list is sorted: a poll queries the newest
-    /// epoch's event, which covers every older one (its record came after all their frees).
-    pub fn events_to_query(&self) -> Vec<(u64, Vec<(u64, EventHandle)>)> {
-        self.streams
-            .iter()
-            .map(|(s, f)| {
-                let mut evs = f.events().collect::<Vec<_>>();
-                evs.sort_unstable_by_key(|&(epoch, _)| epoch);
-                (s, evs)
-            })
-            .filter(|(_, evs)| !evs.is_empty())
-            .collect()
-    }
-
-    /// Notes that every event of `stream` up to `event` has completed: what they cover becomes
-    /// free for every stream.
-    pub fn events_completed(&mut self, stream: u64, epoch: u64, event: EventHandle) {
-        // A stream already forgotten: another poller applied this completion.
-        let Some(f) = self.streams.get_mut(stream) else { return };
-        let done = f.completed(epoch, event);
-        // Quarantined chunks of this stream whose epoch is now done become bare, in order.
-        let pool = &mut self.pool;
-        self.quarantine.retain(|q| {
-            let free = q.1 == stream && f.is_done(q.2);
-            if free {
-                pool.put_bare(q.0);
-            }
-            !free
-        });
-        // Sub-page blocks it freed become free for every stream.
-        if let Some(upto) = f.done_epoch() {
-            let emptied = self.sub.settle(stream, upto);
-            for e in emptied.into_iter().chain(self.carved.settle(stream, upto)) {
-                self.arena_emptied(e);
-            }
-            self.uncarve_freed();
-        }
-        // Then the joined frees this completion finished: their other streams were done before.
-        let joined = self.streams.take_joined_done();
-        for item in done.into_iter().chain(joined) {
-            match item {
-                Pending::Range { id, pages, va } => {
-                    self.streams.range_left(pages);
-                    if self.range(id).use_ == Use::Pending {
-                        self.note(HistoryAction::FreeCompleted, va, self.bytes(pages), stream);
-                    }
-                    self.cache_range(id);
-                }
-                Pending::Block { ptr, rounded } => {
-                    self.note(HistoryAction::FreeCompleted, ptr, rounded, stream);
-                    let (&va, &arena) =
-                        self.by_va.range(..=ptr).next_back().expect("block's arena");
-                    self.release_backing(Backing::Sub { arena, offset: ptr - va });
-                }
-                // A growable's shrink (its chunks left the quarantine above), or a joined free's
-                // mark on this stream (the free itself completes with its last mark).
-                Pending::Mark => {}
-            }
-        }
-        if let Some(spare) = self.streams.forget_if_idle(stream) {
-            self.event_stock.extend(spare);
-        }
-    }
-
-    /// Whether some plan holds claimed chunks or addresses while it runs, or a free's own event
-    /// record is still to be settled: a request short of memory waits for either.
-    pub fn has_inflight(&self) -> bool {
-        !self.inflight.is_empty() || self.records_in_flight > 0
-    }
-
-    /// Whether frees on streams are still waiting for their events.
-    pub fn has_pending_frees(&self) -> bool {
-        self.streams.any_pending() || !self.quarantine.is_empty()
-    }
-
-    fn release_backing(&mut self, backing: Backing) {
-        match backing {
-            Backing::Range(id) => self.cache_range(id),
-            Backing::Sub { arena, offset } => {
-                if let Some(e) = self.arenas_of(arena).free(arena, offset, Owner::Open) {
-                    self.arena_emptied(e);
-                }
-                self.uncarve_freed();
-            }
-        }
-    }
-
-    /// The allocator that owns arena `id`.
-    fn arenas_of(&mut self, id: RangeId) -> &mut SubPage {
-        if self.range(id).use_ == Use::Arena {
-            &mut self.sub
-        } else {
-            &mut self.carved
-        }
-    }
-
-    /// Takes back an arena with no block in use: cached, or pending for the stream that still
-    /// holds its space, until the epoch it holds it for (a freed range's way back to it).
-    fn arena_emptied(&mut self, e: Emptied) {
-        self.arenas_of(e.arena).remove_arena(e.arena);
-        match e.held {
-            None => self.cache_range(e.arena),
-            Some((stream, epoch)) => {
-                let r = self.range_mut(e.arena);
-                r.use_ = Use::PendingArena;
-                let what = Pending::Range { id: e.arena, va: r.va, pages: r.pages };
-                self.streams.push_held(stream, epoch, what);
-            }
-        }
-    }
-
-    fn classify_bad_free(&self, ptr: u64) -> Error {
-        if let Some((_, &id)) = self.by_va.range(..=ptr).next_back() {
-            let r = self.range(id);
-            if ptr < r.va + self.bytes(r.pages) {
-                match r.use_ {
-                    Use::Alloc => {
-                        return Error::InteriorPointer { ptr, base: r.va, offset: ptr - r.va };
-                    }
-                    Use::Arena | Use::Carved => {
-                        let arenas = if r.use_ == Use::Arena { &self.sub } else { &self.carved };
-                        if let Some((off, _)) = arenas.block_containing(id, ptr - r.va) {
-                            let base = r.va + off;
-                            if base != ptr {
-                                return Error::InteriorPointer { ptr, base, offset: ptr - base };
-                            }
-                        }
-                    }
-                    Use::Cached { .. } | Use::Pending | Use::PendingArena => {}
-                }
-            }
-        }
-        if self.recent_free_gen.contains_key(&ptr) {
-            Error::DoubleFree { ptr }
-        } else {
-            Error::UnknownPointer { ptr }
-        }
-    }
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_run_of_chunks_is_found_at_either_end_or_in_the_middle() {
-        let run = |sizes: &[u64], pages, most| chunk_run(sizes.len(), |i| sizes[i], pages, most);
-        assert_eq!(run(&[4, 4, 1], 1, 1), Some((2, 3)), "the tail");
-        assert_eq!(run(&[4, 4, 1], 4, 4), Some((0, 1)), "the head");
-        assert_eq!(run(&[1, 4, 4], 4, 4), Some((1, 2)), "the middle");
-        assert_eq!(run(&[1, 2, 1, 8], 3, 3), Some((0, 2)));
-        assert_eq!(run(&[1, 2, 1, 8], 4, 4), Some((0, 3)));
-        assert_eq!(run(&[2, 2, 8], 5, 5), None, "4 is short, 10 and 12 too much");
-        assert_eq!(run(&[2, 2, 8], 5, 6), None);
-        assert_eq!(run(&[2, 2, 8], 9, 10), Some((1, 3)), "2 + 8, within the slack");
-        assert_eq!(run(&[3], 4, 8), None, "not enough pages at all");
-        assert_eq!(run(&[], 1, 1), None);
-    }
-
-    #[test]
-    fn tables_grow_ahead_once_half_their_room_is_gone() {
-        assert_eq!(room_to_add(0, 0), Some(TABLE_HEADROOM));
-        assert_eq!(room_to_add(0, TABLE_HEADROOM), None);
-        assert_eq!(room_to_add(40, 64), Some(TABLE_HEADROOM), "24 left, under 32");
-        assert_eq!(room_to_add(100, 150), None, "50 left of 100");
-        assert_eq!(room_to_add(100, 140), Some(100));
-        assert_eq!(room_to_add(10, 4), Some(TABLE_HEADROOM), "a capacity below the length");
-    }
-
-    #[test]
-    fn growing_ahead_gives_every_request_table_room_and_is_idempotent() {
-        let lim = Limits {
-            page: 1,
-            cap: 1 << 20,
-            max_chunk_pages: 1,
-            repeated_chunk_pages: 1,
-            large_chunk_pages: 1,
-            largest_chunk_pages: 1,
-            reserve_bytes: 1 << 20,
-            va_limit: 1 << 30,
-            unmap_batch_ranges: 8,
-            unmap_batch_bytes: 1 << 20,
-            unmap_run_handles: 0,
-            unmap_batch_age: std::time::Duration::from_millis(50),
-            window_slab_pages: 1,
-            reuse_addresses: true,
-            near_fit_per_1024: 128,
-            carve_per_1024: 0,
-            carve_repeated_per_1024: 0,
-            grow_first_per_1024: 0,
-            defer_free_events: false,
-        };
-        let mut h = Heap::new(lim);
-        let caps =
-            |h: &Heap| (h.live.capacity(), h.ranges.capacity(), h.recent_free_gen.capacity());
-        assert_eq!(caps(&h), (0, 0, 0), "a new heap holds no room yet");
-        h.grow_tables_ahead();
-        let grown = caps(&h);
-        assert!(
-            grown.0 >= TABLE_HEADROOM && grown.1 >= TABLE_HEADROOM && grown.2 >= TABLE_HEADROOM
-        );
-        h.grow_tables_ahead();
-        assert_eq!(caps(&h), grown, "room enough: nothing grows again");
-    }
-}
+mod tests;

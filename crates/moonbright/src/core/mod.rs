@@ -1,5 +1,6 @@
 //! The allocator core: the physical chunk pool, the virtual-address space, the sub-page allocator,
-//! statistics, and the heap that ties them together and holds every policy.
+//! statistics, and the heap that ties them together and runs the placement policies over them
+//! (`heap/policy/`).
 
 pub(crate) mod chunks;
 pub(crate) mod graphs;
@@ -15,4 +16,5 @@ pub(crate) mod subpage;
 pub(crate) mod vaspace;
 pub(crate) mod window;
 
+pub use heap::GrowableInfo;
 pub use subpage::SUBPAGE_ALIGN;

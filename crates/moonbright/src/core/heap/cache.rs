@@ -2,15 +2,127 @@
 //! their groups of cached neighbours, runs split off or joined at chunk boundaries, ranges stolen
 //! for a plan, and the window of pages the background worker maps ahead.
 
-use super::{
-    chunk_run, CachedRun, Heap, Range, RangeId, Step, Use, JOIN_CHUNKS_SEEN, SPLIT_CANDIDATES,
-    SPLIT_CHUNKS_SEEN, SPLIT_SLACK, STEAL_CANDIDATES, STEAL_LOOKS,
-};
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Heap, Range, RangeId, Ranges, Step, Use};
 use crate::core::chunks::Chunks;
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
-use crate::core::vaspace::Retired;
+use crate::core::vaspace::{Retired, VaSpace};
 use crate::error::Result;
+
+/// The cached ranges: free, still mapped, reusable as they are. Indexed as (pages, address,
+/// seq) for size searches, seq -> range in freeing order (least recently freed first), and
+/// address -> (seq, pages, range); with the groups of cached neighbours: each run of two or more
+/// cached ranges back to back in one reservation, as start -> end, and as (pages, start) for
+/// `split_joined`, which so finds the smallest group large enough with no scan of the cache.
+/// Every index holds every cached range, and the groups are exactly the runs of neighbours
+/// (`Heap::check`).
+#[derive(Debug, Default)]
+pub(super) struct Cache {
+    pub(super) by_size: BTreeSet<(u64, u64, u64)>,
+    pub(super) lru: BTreeMap<u64, RangeId>,
+    pub(super) by_va: BTreeMap<u64, (u64, u64, RangeId)>,
+    pub(super) groups: BTreeMap<u64, u64>,
+    pub(super) groups_by_size: BTreeSet<(u64, u64)>,
+    /// Pages in cached ranges.
+    pub(super) pages: u64,
+    pub(super) next_seq: u64,
+}
+
+/// Whether two addresses lie in one reservation: ranges side by side in two reservations
+/// never join (one `cuMemUnmap` may not span both).
+fn same_reservation(va: &VaSpace, a: u64, b: u64) -> bool {
+    va.reservation_of(a) == va.reservation_of(b)
+}
+
+impl Cache {
+    /// Caches range `id` of `pages` pages at `va`: returns its sequence number.
+    fn insert(&mut self, id: RangeId, va: u64, pages: u64, space: &VaSpace, page: u64) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.by_size.insert((pages, va, seq));
+        self.lru.insert(seq, id);
+        self.by_va.insert(va, (seq, pages, id));
+        self.group(va, va + pages * page, space, page);
+        self.pages += pages;
+        seq
+    }
+
+    /// Takes cached range `seq` (of `pages` pages at `va`) out of the cache: returns its id.
+    fn remove(&mut self, seq: u64, ranges: &Ranges, page: u64) -> RangeId {
+        let id = self.lru.remove(&seq).expect("cached range missing");
+        let (pages, va) = (ranges.get(id).pages, ranges.get(id).va);
+        self.by_size.remove(&(pages, va, seq));
+        self.by_va.remove(&va);
+        self.ungroup(va, va + pages * page, page);
+        self.pages -= pages;
+        id
+    }
+
+    /// Puts the cached range at `va..end` into its group of neighbours: the groups (or lone
+    /// cached ranges) that end where it starts and start where it ends become one with it.
+    fn group(&mut self, va: u64, end: u64, space: &VaSpace, page: u64) {
+        let mut start = va;
+        if let Some((&at, &(_, p, _))) = self.by_va.range(..va).next_back() {
+            if at + p * page == va && same_reservation(space, at, va) {
+                start = match self.groups.range(..va).next_back() {
+                    Some((&s, &e)) if e == va => {
+                        self.remove_group(s, e, page);
+                        s
+                    }
+                    _ => at,
+                };
+            }
+        }
+        let mut stop = end;
+        if let Some(&(_, p, _)) = self.by_va.get(&end) {
+            if same_reservation(space, va, end) {
+                stop = match self.groups.get(&end) {
+                    Some(&e) => {
+                        self.remove_group(end, e, page);
+                        e
+                    }
+                    None => end + p * page,
+                };
+            }
+        }
+        if (start, stop) != (va, end) {
+            self.add_group(start, stop, page);
+        }
+    }
+
+    /// Takes the cached range at `va..end` (already out of `by_va`) out of its group: what
+    /// lies before and after it stays a group where two or more ranges are left.
+    fn ungroup(&mut self, va: u64, end: u64, page: u64) {
+        let Some((&start, &stop)) = self.groups.range(..=va).next_back() else {
+            return;
+        };
+        if stop < end {
+            return; // The range was in no group.
+        }
+        self.remove_group(start, stop, page);
+        let lone =
+            |at: u64, to: u64| self.by_va.get(&at).is_some_and(|&(_, p, _)| at + p * page == to);
+        let (before, after) = (start < va && !lone(start, va), end < stop && !lone(end, stop));
+        if before {
+            self.add_group(start, va, page);
+        }
+        if after {
+            self.add_group(end, stop, page);
+        }
+    }
+
+    fn add_group(&mut self, start: u64, end: u64, page: u64) {
+        self.groups.insert(start, end);
+        self.groups_by_size.insert(((end - start) / page, start));
+    }
+
+    fn remove_group(&mut self, start: u64, end: u64, page: u64) {
+        self.groups.remove(&start);
+        self.groups_by_size.remove(&((end - start) / page, start));
+    }
+}
 
 impl Heap {
     pub(super) fn cache_range(&mut self, id: RangeId) {
@@ -19,80 +131,9 @@ impl Heap {
             self.discard_range(id, None);
             return;
         }
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let (pages, va) = (self.range(id).pages, self.range(id).va);
-        self.range_mut(id).use_ = Use::Cached { seq };
-        self.cached_by_size.insert((pages, va, seq));
-        self.cached_lru.insert(seq, id);
-        self.cached_by_va.insert(va, (seq, pages, id));
-        self.group_cached(va, va + self.bytes(pages));
-        self.cached_pages += pages;
+        let r = self.ranges.get_mut(id);
+        r.use_ = Use::Cached { seq: self.cache.insert(id, r.va, r.pages, &self.va, self.lim.page) };
         self.stats.cached_ranges.add(1);
-    }
-
-    /// Puts the cached range at `va..end` into its group of neighbours: the groups (or lone
-    /// cached ranges) that end where it starts and start where it ends become one with it.
-    fn group_cached(&mut self, va: u64, end: u64) {
-        let mut start = va;
-        if let Some((&at, &(_, p, _))) = self.cached_by_va.range(..va).next_back() {
-            if at + self.bytes(p) == va && self.same_reservation(at, va) {
-                start = match self.cached_groups.range(..va).next_back() {
-                    Some((&s, &e)) if e == va => {
-                        self.remove_group(s, e);
-                        s
-                    }
-                    _ => at,
-                };
-            }
-        }
-        let mut stop = end;
-        if let Some(&(_, p, _)) = self.cached_by_va.get(&end) {
-            if self.same_reservation(va, end) {
-                stop = match self.cached_groups.get(&end) {
-                    Some(&e) => {
-                        self.remove_group(end, e);
-                        e
-                    }
-                    None => end + self.bytes(p),
-                };
-            }
-        }
-        if (start, stop) != (va, end) {
-            self.add_group(start, stop);
-        }
-    }
-
-    /// Takes the cached range at `va..end` (already out of `cached_by_va`) out of its group:
-    /// what lies before and after it stays a group where two or more ranges are left.
-    fn ungroup_cached(&mut self, va: u64, end: u64) {
-        let Some((&start, &stop)) = self.cached_groups.range(..=va).next_back() else {
-            return;
-        };
-        if stop < end {
-            return; // The range was in no group.
-        }
-        self.remove_group(start, stop);
-        let lone = |at: u64, to: u64| {
-            self.cached_by_va.get(&at).is_some_and(|&(_, p, _)| at + self.bytes(p) == to)
-        };
-        let (before, after) = (start < va && !lone(start, va), end < stop && !lone(end, stop));
-        if before {
-            self.add_group(start, va);
-        }
-        if after {
-            self.add_group(end, stop);
-        }
-    }
-
-    fn add_group(&mut self, start: u64, end: u64) {
-        self.cached_groups.insert(start, end);
-        self.cached_groups_by_size.insert(((end - start) / self.lim.page, start));
-    }
-
-    fn remove_group(&mut self, start: u64, end: u64) {
-        self.cached_groups.remove(&start);
-        self.cached_groups_by_size.remove(&((end - start) / self.lim.page, start));
     }
 
     /// Whether two addresses lie in one reservation: ranges side by side in two reservations
@@ -102,48 +143,13 @@ impl Heap {
     }
 
     pub(super) fn uncache(&mut self, seq: u64) -> RangeId {
-        let id = self.cached_lru.remove(&seq).expect("cached range missing");
-        let (pages, va) = (self.range(id).pages, self.range(id).va);
-        self.cached_by_size.remove(&(pages, va, seq));
-        self.cached_by_va.remove(&va);
-        self.ungroup_cached(va, va + self.bytes(pages));
-        self.cached_pages -= pages;
+        let id = self.cache.remove(seq, &self.ranges, self.lim.page);
         self.stats.cached_ranges.sub(1);
         id
     }
 
     pub(super) fn remove_range(&mut self, id: RangeId) -> Range {
-        let range = self.ranges[id as usize].take().expect("range missing");
-        self.free_range_ids.push(id);
-        self.by_va.remove(&range.va);
-        range
-    }
-
-    /// Runs of whole chunks in larger cached ranges to split off with no driver call (each
-    /// chunk is mapped on its own, so the pieces are mapped ranges as they are; what is left on
-    /// either side stays cached): one of exactly `pages` pages, and else the first found that
-    /// holds them to within `SPLIT_SLACK`, as (cached range, first chunk, one past the last).
-    /// Takes nothing: the caller splits the run it picks (`split_off`).
-    pub(super) fn split_cached(&self, pages: u64) -> (Option<CachedRun>, Option<CachedRun>) {
-        let most = pages + pages / SPLIT_SLACK;
-        let (mut seen, mut near) = (0, None);
-        let mut exact = None;
-        for &(_, _, seq) in self.cached_by_size.range((pages + 1, 0, 0)..).take(SPLIT_CANDIDATES) {
-            let chunks = &self.range(self.cached_lru[&seq]).chunks;
-            seen += chunks.len();
-            if seen > SPLIT_CHUNKS_SEEN {
-                break;
-            }
-            let size = |i: usize| self.pool.get(chunks[i]).pages;
-            if let Some((start, end)) = chunk_run(chunks.len(), size, pages, pages) {
-                exact = Some((seq, start, end));
-                break;
-            }
-            if near.is_none() {
-                near = chunk_run(chunks.len(), size, pages, most).map(|(a, b)| (seq, a, b));
-            }
-        }
-        (exact, near)
+        self.ranges.remove(id)
     }
 
     /// Splits chunks `start..end` off cached range `seq`, as a range of their own at the
@@ -184,49 +190,6 @@ impl Heap {
         self.add_range(va, p_run, Chunks::from(run.to_vec()), Use::Alloc)
     }
 
-    /// A run of whole chunks of exactly `pages` pages across cached ranges that lie back to back
-    /// in one reservation, when no single cached range holds one. The smallest such group
-    /// (in pages) that holds a run serves; the ranges the run touches are joined into one, and
-    /// the run is split off it. The others keep their sizes for exact-size reuse.
-    ///
-    /// Exact, where `split_cached` allows `SPLIT_SLACK`: with that slack here too, the recorded
-    /// traces held 0.1-0.3% more memory on the host backend (ResNet 1.016 against 1.013) for
-    /// 5% fewer set-access calls on GPT-2 and Llama, none fewer on ResNet.
-    ///
-    /// Joining is a matter of bookkeeping: each chunk was mapped by a call of its own and its
-    /// access set, so neighbours form one mapped range as they stand, and later unmaps cover
-    /// whole chunks still. Ranges join only here, when a request would otherwise map: joined
-    /// when freed, a freed range would no longer come back whole to an exact-size request,
-    /// and where it went would depend on when its free completed (Address stability).
-    pub(super) fn split_joined(&mut self, pages: u64) -> Option<RangeId> {
-        if self.cached_pages < pages {
-            return None;
-        }
-        // The smallest group large enough with a run of exactly `pages` pages: where it lies,
-        // and the run in its chunks.
-        let mut best = None;
-        let mut ids: Vec<ChunkId> = Vec::new();
-        for &(group_pages, start) in self.cached_groups_by_size.range((pages, 0)..) {
-            if ids.len() >= JOIN_CHUNKS_SEEN {
-                break;
-            }
-            let end = start + self.bytes(group_pages);
-            let first = ids.len();
-            for (_, &(_, _, id)) in self.cached_by_va.range(start..end) {
-                ids.extend(self.range(id).chunks.iter().copied());
-            }
-            let size = |i: usize| self.pool.get(ids[first + i]).pages;
-            if let Some((a, b)) = chunk_run(ids.len() - first, size, pages, pages) {
-                best = Some((start, end, a, b));
-                break;
-            }
-        }
-        let (start, end, run_start, run_end) = best?;
-        let group: Vec<u64> =
-            self.cached_by_va.range(start..end).map(|(_, &(q, _, _))| q).collect();
-        Some(self.join_run(&group, run_start, run_end))
-    }
-
     /// Joins the cached ranges of `group` (back to back, in address order) that chunks
     /// `start..end` of theirs touch, and splits that run off as a range of its own (returned,
     /// out of the cache): what is left on either side stays cached.
@@ -236,7 +199,7 @@ impl Heap {
         let (mut first, mut offset, mut last) = (None, 0, 0);
         let mut at = 0;
         for (i, seq) in group.iter().enumerate() {
-            let n = self.range(self.cached_lru[seq]).chunks.len();
+            let n = self.range(self.cache.lru[seq]).chunks.len();
             if first.is_none() && start < at + n {
                 first = Some(i);
                 offset = at;
@@ -262,35 +225,6 @@ impl Heap {
         self.split_chunks(va, joined_pages, chunks, start - offset, end - offset)
     }
 
-    /// The cached range to steal for a plan that still needs `left` pages: of the first
-    /// `STEAL_CANDIDATES` in freeing order (least recently freed first), the one with the
-    /// largest chunk of at most `left` pages, the first such on a tie. A range whose chunks are
-    /// all larger would give the plan nothing it can map (they go bare), yet retire a mapped
-    /// range a later request could have hit; and the largest chunk that fits stitches the
-    /// request from the fewest handles, as bare chunks are taken largest first. `scan`: where
-    /// the plan's search goes on from (`left` only shrinks, so a range passed over for having
-    /// no chunk that fits stays of no use to the plan), and the ranges looked at so far, at most
-    /// `STEAL_LOOKS` for the plan.
-    pub(super) fn fitting_cached(&self, scan: &mut (u64, usize), left: u64) -> Option<u64> {
-        let mut best: Option<(u64, u64)> = None;
-        for (looked, (&seq, &id)) in self.cached_lru.range(scan.0..).enumerate() {
-            if looked >= STEAL_CANDIDATES || scan.1 >= STEAL_LOOKS {
-                break;
-            }
-            scan.1 += 1;
-            let chunks = self.range(id).chunks.iter().map(|&c| self.pool.get(c).pages);
-            match chunks.filter(|&p| p <= left).max() {
-                Some(p) if best.map_or(true, |b| p > b.1) => best = Some((seq, p)),
-                None if best.is_none() => scan.0 = seq + 1,
-                _ => {}
-            }
-            if best.is_some_and(|b| b.1 == left) {
-                break;
-            }
-        }
-        best.map(|b| b.0)
-    }
-
     /// Breaks up a cached range: its chunks become bare at once (a chunk may be mapped at a second
     /// address before the first is unmapped) and its addresses are retired.
     pub(super) fn steal_cached(&mut self, seq: u64) {
@@ -307,13 +241,13 @@ impl Heap {
     /// Takes up to `pages` pages back from the window's tail (`Window::take_tail`): bare
     /// chunks, retired addresses. Returns whether it took any.
     pub(super) fn steal_window(&mut self, pages: u64) -> bool {
-        let taken = self.window.take_tail(pages);
+        let taken = self.window.mapped.take_tail(pages);
         self.steal_from_window(taken)
     }
 
     /// Takes the window's smallest whole chunk back, whatever its size.
     pub(super) fn steal_window_whole(&mut self) -> bool {
-        let taken = self.window.take_smallest_whole();
+        let taken = self.window.mapped.take_smallest_whole();
         self.steal_from_window(taken)
     }
 
@@ -348,17 +282,17 @@ impl Heap {
     /// Since the last call (the mapper's measure of demand): the pages fresh allocations took,
     /// and the largest of their requests, in pages.
     pub fn take_fresh_demand(&mut self) -> (u64, u64) {
-        (std::mem::take(&mut self.fresh_pages), std::mem::take(&mut self.fresh_largest))
+        self.window.take_fresh_demand()
     }
 
     /// Whether a request mapped a range of its own within `recent`: the driver seems to
     /// serialise VMM calls across threads, so the mapper's calls would lengthen such requests.
     pub fn requests_mapping_within(&self, recent: std::time::Duration) -> bool {
-        self.last_request_map.is_some_and(|t| t.elapsed() < recent)
+        self.window.last_request_map.is_some_and(|t| t.elapsed() < recent)
     }
 
     pub fn window_pages(&self) -> u64 {
-        self.window.pages()
+        self.window.mapped.pages()
     }
 
     /// The size, in pages, of the whole window chunks to map for fresh requests of up to
@@ -379,7 +313,7 @@ impl Heap {
     /// `create`. `None` if nothing is to be done; `Step::Reserve` or `Step::Flush` if addresses
     /// must be found first.
     pub fn plan_window_refill(&mut self, want: u64, create: u64, whole: u64) -> Option<Step> {
-        let (next, end) = self.window_slab;
+        let (next, end) = self.window.slab;
         let slab_left = (end - next) / self.lim.page;
         let mut got = Vec::new();
         let mut new = Vec::new();
@@ -414,7 +348,7 @@ impl Heap {
         let pages =
             got.iter().map(|&c| self.pool.get(c).pages).sum::<u64>() + new.iter().sum::<u64>();
         let va = if slab_left >= pages {
-            self.window_slab.0 += self.bytes(pages);
+            self.window.slab.0 += self.bytes(pages);
             next
         } else {
             if slab_left > 0 {
@@ -422,11 +356,13 @@ impl Heap {
             }
             let slab = self.bytes(self.lim.window_slab_pages.max(pages));
             let Some(base) = self.va.take_fresh(slab) else {
-                self.window_slab = (0, 0);
+                self.window.slab = (0, 0);
                 for c in got {
                     self.pool.put_bare(c);
                 }
-                if self.va.unmap_could_free(slab) || self.unmapping > self.unmapping_private.len() {
+                if self.va.unmap_could_free(slab)
+                    || self.claims.unmapping > self.claims.unmapping_private.len()
+                {
                     return Some(Step::Flush(None));
                 }
                 let size = self.lim.reserve_bytes.max(slab);
@@ -435,7 +371,7 @@ impl Heap {
                 }
                 return Some(Step::Reserve(size));
             };
-            self.window_slab = (base + self.bytes(pages), base + slab);
+            self.window.slab = (base + self.bytes(pages), base + slab);
             base
         };
         Some(self.claim(va, self.bytes(pages), got, Vec::new(), new, Vec::new()))
@@ -449,8 +385,8 @@ impl Heap {
         let chunks = self.commit_mapping(plan, ex)?;
         self.stats.window_bytes.add(self.bytes(pages));
         match chunks[..] {
-            [c] if pages > 1 => self.window.add_whole(va, c, pages),
-            _ => self.window.add(va, chunks),
+            [c] if pages > 1 => self.window.mapped.add_whole(va, c, pages),
+            _ => self.window.mapped.add(va, chunks),
         }
         Ok(())
     }

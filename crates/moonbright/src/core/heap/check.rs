@@ -17,7 +17,7 @@ impl Heap {
     pub fn segments(&self) -> Vec<SegmentInfo> {
         let mut by_range: HashMap<RangeId, Vec<BlockInfo>> = HashMap::new();
         let mut streams: HashMap<RangeId, u64> = HashMap::new();
-        for (&ptr, l) in &self.live {
+        for (&ptr, l) in &self.live.allocs {
             let id = match l.backing {
                 Backing::Range(id) => id,
                 Backing::Sub { arena, .. } => arena,
@@ -36,7 +36,7 @@ impl Heap {
             });
         }
         let mut out = Vec::new();
-        for (&va, &id) in &self.by_va {
+        for (&va, &id) in &self.ranges.by_va {
             let r = self.range(id);
             let size = self.bytes(r.pages);
             let mut blocks = by_range.remove(&id).unwrap_or_default();
@@ -104,9 +104,7 @@ impl Heap {
         let mut cached_pages = 0;
         let small: std::collections::HashSet<RangeId> = self.sub.arena_ids().collect();
         let carved: std::collections::HashSet<RangeId> = self.carved.arena_ids().collect();
-        for (id, r) in
-            self.ranges.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
-        {
+        for (id, r) in self.ranges.iter().map(|(i, r)| (i as usize, r)) {
             let sum: u64 = r.chunks.iter().map(|&c| self.pool.get(c).pages).sum();
             if sum != r.pages {
                 return Err(format!(
@@ -118,15 +116,15 @@ impl Heap {
                 *owners.entry(c).or_default() += 1;
                 *maps.entry(c).or_default() += 1;
             }
-            if self.by_va.get(&r.va) != Some(&(id as RangeId)) {
+            if self.ranges.by_va.get(&r.va) != Some(&(id as RangeId)) {
                 return Err(format!("range {id} missing from the address index"));
             }
             if let Use::Cached { seq } = r.use_ {
                 cached += 1;
                 cached_pages += r.pages;
-                if self.cached_lru.get(&seq) != Some(&(id as RangeId))
-                    || !self.cached_by_size.contains(&(r.pages, r.va, seq))
-                    || self.cached_by_va.get(&r.va) != Some(&(seq, r.pages, id as RangeId))
+                if self.cache.lru.get(&seq) != Some(&(id as RangeId))
+                    || !self.cache.by_size.contains(&(r.pages, r.va, seq))
+                    || self.cache.by_va.get(&r.va) != Some(&(seq, r.pages, id as RangeId))
                 {
                     return Err(format!("cached range {id} missing from the cache indexes"));
                 }
@@ -144,16 +142,16 @@ impl Heap {
             }
             spans.push((r.va, r.pages * page, "range"));
         }
-        if cached != self.cached_lru.len()
-            || cached != self.cached_by_size.len()
-            || cached != self.cached_by_va.len()
-            || cached_pages != self.cached_pages
+        if cached != self.cache.lru.len()
+            || cached != self.cache.by_size.len()
+            || cached != self.cache.by_va.len()
+            || cached_pages != self.cache.pages
         {
             return Err("cache indexes disagree with the ranges".into());
         }
         // Groups of cached neighbours, from the cached ranges in address order.
         let mut groups: Vec<(u64, u64, usize)> = Vec::new();
-        for (&a, &(_, p, _)) in &self.cached_by_va {
+        for (&a, &(_, p, _)) in &self.cache.by_va {
             match groups.last_mut() {
                 Some(g) if g.1 == a && self.same_reservation(g.0, a) => {
                     g.1 = a + p * page;
@@ -166,10 +164,10 @@ impl Heap {
             groups.into_iter().filter(|g| g.2 > 1).map(|g| (g.0, g.1)).collect();
         let by_size: BTreeSet<(u64, u64)> =
             groups.iter().map(|(&s, &e)| ((e - s) / page, s)).collect();
-        if groups != self.cached_groups || by_size != self.cached_groups_by_size {
+        if groups != self.cache.groups || by_size != self.cache.groups_by_size {
             return Err(format!(
                 "groups of cached neighbours {:?} by size {:?}, expected {groups:?}",
-                self.cached_groups, self.cached_groups_by_size
+                self.cache.groups, self.cache.groups_by_size
             ));
         }
         let mut pending_ranges = 0;
@@ -179,7 +177,7 @@ impl Heap {
         for item in items {
             if let Pending::Range { id, pages, .. } = item {
                 pending_ranges += pages;
-                match self.ranges.get(id as usize).and_then(|r| r.as_ref()) {
+                match self.ranges.try_get(id) {
                     Some(r) if matches!(r.use_, Use::Pending | Use::PendingArena) => {}
                     _ => return Err(format!("pending range {id} is not marked pending")),
                 }
@@ -191,7 +189,7 @@ impl Heap {
         let marked = self
             .ranges
             .iter()
-            .flatten()
+            .map(|(_, r)| r)
             .filter(|r| matches!(r.use_, Use::Pending | Use::PendingArena))
             .count();
         if marked != pending_ids.len() {
@@ -203,7 +201,7 @@ impl Heap {
         if pending_ranges != self.streams.pending_pages() {
             return Err("pending page count drifted".into());
         }
-        for (va, pages, chunks) in self.window.segments() {
+        for (va, pages, chunks) in self.window.mapped.segments() {
             let mut sum = 0;
             for &c in &chunks {
                 *owners.entry(c).or_default() += 1;
@@ -221,7 +219,7 @@ impl Heap {
         }
         let (grow_allocated, grow_active) =
             self.check_growables(&mut owners, &mut maps, &mut spans)?;
-        for claim in self.inflight.values() {
+        for claim in self.claims.plans.values() {
             for &c in &claim.chunks {
                 *owners.entry(c).or_default() += 1;
             }
@@ -229,7 +227,7 @@ impl Heap {
                 spans.push((va, len, "in flight"));
             }
         }
-        for &(c, _, _) in &self.quarantine {
+        for &(c, _, _) in &self.claims.quarantine {
             *owners.entry(c).or_default() += 1;
         }
         for r in self.va.retired() {
@@ -238,7 +236,7 @@ impl Heap {
             }
             spans.push((r.va, r.len, "retired"));
         }
-        if self.unmapping > 0 {
+        if self.claims.unmapping > 0 {
             // Runs being unmapped are out of every structure; mapping counts cannot be checked.
             return Ok(());
         }
@@ -266,7 +264,7 @@ impl Heap {
         if fe > f {
             spans.push((f, fe - f, "frontier"));
         }
-        let (sn, se) = self.window_slab;
+        let (sn, se) = self.window.slab;
         if se > sn {
             spans.push((sn, se - sn, "window slab"));
         }
@@ -291,7 +289,7 @@ impl Heap {
         // Live allocations lie inside their ranges; the statistics match them.
         let mut allocated = grow_allocated;
         let mut active = grow_active;
-        for (&ptr, l) in &self.live {
+        for (&ptr, l) in &self.live.allocs {
             if !l.pooled {
                 allocated += l.size;
                 active += l.rounded;
@@ -300,11 +298,7 @@ impl Heap {
                 Backing::Range(id) => (id, 0),
                 Backing::Sub { arena, offset } => (arena, offset),
             };
-            let r = self
-                .ranges
-                .get(id as usize)
-                .and_then(|r| r.as_ref())
-                .ok_or("live allocation without range")?;
+            let r = self.ranges.try_get(id).ok_or("live allocation without range")?;
             if r.va + off != ptr || off + l.rounded > r.pages * page || ptr % SUBPAGE_ALIGN != 0 {
                 return Err(format!("live allocation {ptr:#x} does not fit its range"));
             }
@@ -317,7 +311,7 @@ impl Heap {
         if self.bytes(self.pool.held_pages()) != self.stats.reserved_bytes.current {
             return Err("reserved byte statistic drifted".into());
         }
-        if self.bytes(self.window.pages()) != self.stats.window_bytes.current {
+        if self.bytes(self.window.mapped.pages()) != self.stats.window_bytes.current {
             return Err("window byte statistic drifted".into());
         }
         let handles: u64 = self.pool.iter().map(|(_, c)| c.mappings as u64).sum();
@@ -328,7 +322,7 @@ impl Heap {
             ));
         }
         let held = self.bytes(self.pool.held_pages());
-        if held > self.lim.cap && self.over_cap.map_or(true, |h| held > h) {
+        if held > self.lim.cap && self.notes.over_cap.map_or(true, |h| held > h) {
             return Err("more memory held than the cap allows".into());
         }
         Ok(())

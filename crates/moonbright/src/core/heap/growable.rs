@@ -12,13 +12,25 @@
 //! - **Release** shrinks to nothing; the reservation is freed once its last tail is unmapped.
 
 use super::{Heap, Step};
-use crate::allocator::GrowableInfo;
 use crate::core::history::{BlockInfo, BlockState, SegmentInfo};
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
 use crate::core::streams::Pending;
-use crate::driver::EventHandle;
+use crate::driver::{DevicePtr, EventHandle};
 use crate::error::{Error, Result};
+
+/// The sizes of a growable allocation, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrowableInfo {
+    /// Its address, fixed for its life.
+    pub base: DevicePtr,
+    /// Addresses reserved: the most it can grow to.
+    pub capacity: u64,
+    /// The size of the last resize.
+    pub size: u64,
+    /// Bytes backed by physical pages: `size` rounded up to the chunks that hold it.
+    pub committed: u64,
+}
 
 /// One growable allocation.
 #[derive(Debug)]
@@ -58,7 +70,7 @@ impl Heap {
     /// Registers a growable allocation over a fresh private reservation.
     pub fn add_growable(&mut self, base: u64, capacity: u64) {
         self.va.add_private(base, capacity);
-        self.recent_free_gen.remove(&base);
+        self.live.forget_free(base);
         self.growables.insert(
             base,
             Growable {
@@ -94,7 +106,7 @@ impl Heap {
     pub(super) fn live_growable(&self, ptr: u64) -> Result<&Growable> {
         match self.growables.get(&ptr) {
             Some(g) if !g.released => Ok(g),
-            _ if self.recent_free_gen.contains_key(&ptr) => Err(Error::Released { ptr }),
+            _ if self.live.freed_lately(ptr) => Err(Error::Released { ptr }),
             _ => Err(Error::NotGrowable { ptr }),
         }
     }
@@ -126,7 +138,7 @@ impl Heap {
         let va = g.base + g.committed * page;
         let need = want - g.committed;
         let need_len = need * page;
-        if self.unmapping_private.iter().any(|&(a, l)| a < va + need_len && va < a + l) {
+        if self.claims.unmapping_private.iter().any(|&(a, l)| a < va + need_len && va < a + l) {
             return Ok(Resize::Busy);
         }
         if self.va.retired_overlaps(va, need_len) {
@@ -184,7 +196,7 @@ impl Heap {
     pub fn take_dead_growables(&mut self) -> Vec<(u64, u64)> {
         let busy = |base: u64, cap: u64| {
             self.va.retired_overlaps(base, cap)
-                || self.unmapping_private.iter().any(|&(a, _)| a >= base && a < base + cap)
+                || self.claims.unmapping_private.iter().any(|&(a, _)| a >= base && a < base + cap)
         };
         let dead: Vec<(u64, u64)> = self
             .growables
@@ -237,9 +249,9 @@ impl Heap {
         match stream {
             Some(s) => {
                 let epoch = self.streams.push(s, Pending::Mark);
-                self.quarantine.extend(tail.iter().map(|&c| (c, s, epoch)));
+                self.claims.quarantine.extend(tail.iter().map(|&c| (c, s, epoch)));
                 self.retire_after(va, len, tail, Some((s, epoch)));
-                self.records_in_flight += 1;
+                self.claims.records_in_flight += 1;
                 Some((s, epoch, self.streams.entry(s).event_to_record(super::EVENTS_IN_FLIGHT)))
             }
             None => {
@@ -274,7 +286,7 @@ impl Heap {
             }
             let free = |c: ChunkId| {
                 self.pool.get(c).bare
-                    || self.quarantine.iter().any(|q| {
+                    || self.claims.quarantine.iter().any(|q| {
                         q.0 == c
                             && (q.1 == stream
                                 || self.streams.get(q.1).map_or(true, |f| f.is_done(q.2)))
@@ -287,7 +299,7 @@ impl Heap {
             let taken: Vec<ChunkId> = r.chunks.drain(..k).collect();
             for &c in &taken {
                 if !self.pool.take_if_bare(c) {
-                    self.quarantine.retain(|q| q.0 != c);
+                    self.claims.quarantine.retain(|q| q.0 != c);
                 }
             }
             let len = pages * page;

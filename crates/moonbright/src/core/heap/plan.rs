@@ -4,7 +4,8 @@
 //! claimed under the lock as a plan (`core/mapping.rs`) that runs without it, then committed, or
 //! given back if the driver failed.
 
-use super::{Claim, Heap, Range, RangeId, Step, Use};
+use super::policy::{Gather, Gathered};
+use super::{Claim, Heap, RangeId, Step, Use};
 use crate::core::chunks::Chunks;
 use crate::core::history::HistoryAction;
 use crate::core::mapping::{Executed, MapPlan};
@@ -19,7 +20,7 @@ impl Heap {
     /// as held until its release commits: another plan that created in its place could run
     /// before the release and take the device past the cap (or out of memory).
     pub(super) fn headroom(&self) -> u64 {
-        let held = self.pool.held_pages() + self.inflight_create_pages;
+        let held = self.pool.held_pages() + self.claims.create_pages;
         (self.lim.cap / self.lim.page).saturating_sub(held)
     }
 
@@ -47,12 +48,12 @@ impl Heap {
 
     /// Held pages no allocation uses, outside the window: bare chunks and cached ranges.
     pub fn free_held_pages(&self) -> u64 {
-        self.pool.bare_pages() + self.cached_pages
+        self.pool.bare_pages() + self.cache.pages
     }
 
     /// Pages free for a new range right now, wherever they are.
     fn free_pages(&self) -> u64 {
-        self.pool.bare_pages() + self.cached_pages + self.window.pages() + self.headroom()
+        self.pool.bare_pages() + self.cache.pages + self.window.mapped.pages() + self.headroom()
     }
 
     /// Pages free for a new range on `stream`: those free for everyone, and the chunks the
@@ -60,6 +61,7 @@ impl Heap {
     /// the driver, never to another allocation).
     pub(super) fn free_pages_for(&self, stream: u64) -> u64 {
         let own: u64 = self
+            .claims
             .quarantine
             .iter()
             .filter(|q| q.1 == stream && !self.pool.get(q.0).exported)
@@ -77,7 +79,9 @@ impl Heap {
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
-            if self.va.unmap_could_free(len) || self.unmapping > self.unmapping_private.len() {
+            if self.va.unmap_could_free(len)
+                || self.claims.unmapping > self.claims.unmapping_private.len()
+            {
                 self.stats.flushes_for_addresses += 1;
                 return Step::Flush(None);
             }
@@ -107,109 +111,47 @@ impl Heap {
         large: bool,
     ) -> Step {
         let len = self.bytes(pages);
-        let mut got: Vec<ChunkId> = Vec::new();
-        let mut same_stream: Vec<(ChunkId, u64, u64)> = Vec::new();
-        let mut left = pages;
-        // Where the search for a cached range worth stealing goes on from (`fitting_cached`).
-        let mut steal_scan = (0, 0);
-        // Whether what bare chunks leave is made new, in one chunk (`grows_first`).
+        let mut plan = Gather {
+            stream,
+            len,
+            large,
+            left: pages,
+            got: Vec::new(),
+            same_stream: Vec::new(),
+            steal_scan: (0, 0),
+        };
+        // Whether what bare chunks leave is made new, in one chunk (`GrowFirst`).
         let mut grown = false;
         loop {
-            while left > 0 {
-                match self.pool.take_bare_at_most(left) {
+            while plan.left > 0 {
+                match self.pool.take_bare_at_most(plan.left) {
                     Some(c) => {
-                        left -= self.pool.get(c).pages;
-                        got.push(c);
+                        plan.left -= self.pool.get(c).pages;
+                        plan.got.push(c);
                     }
                     None => break,
                 }
             }
-            if left == 0 {
+            if plan.left == 0 {
                 break;
             }
-            if large && self.grows_first(left, len) {
-                grown = true;
-                break;
-            }
-            if let Some(seq) = self.fitting_cached(&mut steal_scan, left) {
-                self.steal_cached(seq);
-                continue;
-            }
-            if self.steal_window(left) {
-                continue;
-            }
-            // Chunks the stream itself gave back (a growable's shrink): stream order makes them
-            // safe for it at once. If the plan fails they return to the quarantine. Exported
-            // ones wait there to be doomed, never reused: an importer may still map them.
-            let own = self
-                .quarantine
-                .iter()
-                .enumerate()
-                .filter(|(_, q)| {
-                    let c = self.pool.get(q.0);
-                    q.1 == stream && c.pages <= left && !c.exported
-                })
-                .max_by_key(|(_, q)| self.pool.get(q.0).pages)
-                .map(|(i, _)| i);
-            if let Some(i) = own {
-                let q = self.quarantine.swap_remove(i);
-                left -= self.pool.get(q.0).pages;
-                got.push(q.0);
-                same_stream.push(q);
-                continue;
-            }
-            // The stream's own pending frees: its later work is ordered after its earlier work,
-            // so their pages may serve it now; the old addresses are unmapped only once the
-            // earlier work has completed. Their chunks go straight into this range, never bare.
-            if let Some((id, p, epoch)) =
-                self.streams.get_mut(stream).and_then(|f| f.take_covered_range_at_most(left))
-            {
-                self.streams.range_left(p);
-                let range = self.remove_range(id);
-                left -= p;
-                got.extend(range.chunks.iter().copied());
-                same_stream.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
-                self.stats.cached_ranges_stolen += 1;
-                self.retire_after(
-                    range.va,
-                    self.bytes(p),
-                    range.chunks.into_vec(),
-                    Some((stream, epoch)),
-                );
-                continue;
-            }
-            // A larger pending range of the stream's own, with a chunk that fits: break it up.
-            // Its chunks wait in the quarantine, where this stream takes them at once (above)
-            // and others once its work has passed them.
-            if self.break_up_own_pending(stream, left) {
-                continue;
-            }
-            // No cached range has a chunk that fits: break up the least recently freed one for
-            // its chunks to be split below, unless a bare chunk can be split already.
-            if !self.pool.has_bare_larger_than(left) {
-                if let Some((&seq, _)) = self.cached_lru.iter().next() {
-                    self.steal_cached(seq);
-                    continue;
+            match self.gather_next(&mut plan) {
+                Gathered::Took => continue,
+                Gathered::Grow => {
+                    grown = true;
+                    break;
                 }
+                Gathered::Nothing => break,
             }
-            // Whole window chunks larger than what is left come last, as they must be split
-            // (below): one, only when no new memory can be made and no bare chunk can be split
-            // instead.
-            if self.headroom() < left
-                && !self.pool.has_bare_larger_than(left)
-                && self.steal_window_whole()
-            {
-                continue;
-            }
-            break;
         }
+        let Gather { mut left, got, same_stream, .. } = plan;
         let mut release = Vec::new();
         let mut create = Vec::new();
         let mut spare = Vec::new();
         // A size asked for before (`requested` is the request's bytes) will likely come back
         // beside other sizes, as a training step's do: smaller chunks let later requests of
         // other sizes reuse its memory with fewer pages to spare.
-        let repeated = large && self.cuts_repeated() && self.sizes.contains(requested);
+        let repeated = large && self.cuts_repeated() && self.notes.sizes.contains(requested);
         let cap = if grown {
             left.min(self.lim.largest_chunk_pages)
         } else {
@@ -249,42 +191,13 @@ impl Heap {
         match &step {
             // Most plans take nothing from their stream's pending frees: no second lookup.
             Step::Map(plan) if !same_stream.is_empty() => {
-                if let Some(claim) = self.inflight.get_mut(&plan.id) {
+                if let Some(claim) = self.claims.plans.get_mut(&plan.id) {
                     claim.same_stream = same_stream;
                 }
             }
             _ => {}
         }
         step
-    }
-
-    /// Whether a request `len` bytes long makes its `left` missing pages new rather than steal
-    /// cached ranges for them (`Options::grow_first`): held memory, with them and what plans
-    /// in flight create, stays within `grow_first_per_1024` 1,024ths above the peak in use
-    /// (the request counted as in use), and under the cap. They come as one chunk (up to
-    /// `largest_chunk_pages`), one handle to map, as `cudaMalloc` makes a segment; a bare chunk
-    /// larger than they need is not split for them (a release and two creates).
-    fn grows_first(&self, left: u64, len: u64) -> bool {
-        self.headroom() >= left && self.grow_first_room_bytes(len) >= self.bytes(left)
-    }
-
-    /// The pages `grow_first`'s budget has room for above held memory (and what plans in
-    /// flight create), for a request `len` bytes long: carving may leave that many unused.
-    pub(super) fn grow_first_room(&self, pages: u64) -> u64 {
-        self.grow_first_room_bytes(self.bytes(pages)) / self.lim.page
-    }
-
-    /// `grow_first_per_1024` 1,024ths above the peak in use (the request counted as in use),
-    /// less held memory: in bytes.
-    fn grow_first_room_bytes(&self, len: u64) -> u64 {
-        let per_1024 = self.lim.grow_first_per_1024;
-        if per_1024 == 0 {
-            return 0;
-        }
-        let allocated = &self.stats.allocated_bytes;
-        let peak = allocated.peak.max(allocated.current + len) as u128;
-        let held = self.bytes(self.pool.held_pages() + self.inflight_create_pages) as u128;
-        (peak * (1024 + per_1024 as u128) / 1024).saturating_sub(held).min(u64::MAX as u128) as u64
     }
 
     /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
@@ -304,41 +217,12 @@ impl Heap {
         }
     }
 
-    /// Breaks up the oldest covered pending range of `stream` that holds a chunk of at most
-    /// `fit` pages: its chunks go to the quarantine under its epoch, its addresses are retired
-    /// after that epoch. Returns whether it found one.
-    fn break_up_own_pending(&mut self, stream: u64, fit: u64) -> bool {
-        let pool = &self.pool;
-        let ranges = &self.ranges;
-        let has_fit = |id: u32| {
-            ranges[id as usize]
-                .as_ref()
-                .is_some_and(|r| r.chunks.iter().any(|&c| pool.get(c).pages <= fit))
-        };
-        let Some((id, pages, epoch)) =
-            self.streams.get_mut(stream).and_then(|f| f.take_covered_range_where(has_fit))
-        else {
-            return false;
-        };
-        self.streams.range_left(pages);
-        let range = self.remove_range(id);
-        self.quarantine.extend(range.chunks.iter().map(|&c| (c, stream, epoch)));
-        self.stats.cached_ranges_stolen += 1;
-        self.retire_after(
-            range.va,
-            self.bytes(pages),
-            range.chunks.into_vec(),
-            Some((stream, epoch)),
-        );
-        true
-    }
-
     /// Returns chunks a plan gathered but will not use: bare, except those taken from a stream's
     /// pending frees, which wait in quarantine until that stream's work has passed them.
     fn give_back(&mut self, chunks: Vec<ChunkId>, same_stream: Vec<(ChunkId, u64, u64)>) {
         for c in chunks {
             match same_stream.iter().find(|q| q.0 == c) {
-                Some(&q) => self.quarantine.push(q),
+                Some(&q) => self.claims.quarantine.push(q),
                 None => self.pool.put_bare(c),
             }
         }
@@ -353,8 +237,7 @@ impl Heap {
         create: Vec<u64>,
         spare: Vec<u64>,
     ) -> Step {
-        let id = self.next_plan;
-        self.next_plan += 1;
+        let id = self.claims.new_id();
         let existing: Vec<(ChunkId, ChunkHandle, u64)> = got
             .iter()
             .map(|&c| {
@@ -363,9 +246,11 @@ impl Heap {
             })
             .collect();
         let plan = MapPlan { id, va, len, page: self.lim.page, existing, release, create, spare };
-        self.inflight_create_pages += plan.created_pages();
+        self.claims.create_pages += plan.created_pages();
         let chunks = got.into_iter().chain(plan.release.iter().map(|r| r.0)).collect();
-        self.inflight.insert(id, Claim { chunks, va: Some((va, len)), same_stream: Vec::new() });
+        self.claims
+            .plans
+            .insert(id, Claim { chunks, va: Some((va, len)), same_stream: Vec::new() });
         Step::Map(plan)
     }
 
@@ -385,8 +270,9 @@ impl Heap {
     /// Commits an executed plan's driver effects: on success the chunks now mapped at
     /// `plan.va`, in order; on failure everything claimed goes back.
     pub(super) fn commit_mapping(&mut self, plan: MapPlan, ex: Executed) -> Result<Vec<ChunkId>> {
-        let same_stream = self.inflight.remove(&plan.id).map(|c| c.same_stream).unwrap_or_default();
-        self.inflight_create_pages -= plan.created_pages();
+        let same_stream =
+            self.claims.plans.remove(&plan.id).map(|c| c.same_stream).unwrap_or_default();
+        self.claims.create_pages -= plan.created_pages();
         for &(c, _, pages) in &plan.release[..ex.released] {
             self.pool.remove(c);
             self.stats.reserved_bytes.sub(self.bytes(pages));
@@ -458,19 +344,7 @@ impl Heap {
     }
 
     pub(super) fn add_range(&mut self, va: u64, pages: u64, chunks: Chunks, use_: Use) -> RangeId {
-        let range = Range { va, pages, chunks, use_ };
-        let id = match self.free_range_ids.pop() {
-            Some(id) => {
-                self.ranges[id as usize] = Some(range);
-                id
-            }
-            None => {
-                self.ranges.push(Some(range));
-                (self.ranges.len() - 1) as RangeId
-            }
-        };
-        self.by_va.insert(va, id);
-        id
+        self.ranges.add(va, pages, chunks, use_)
     }
 
     fn out_of_memory(&self, requested: u64, short_pages: u64) -> Error {
@@ -490,7 +364,7 @@ impl Heap {
             allocated: self.stats.allocated_bytes.current,
             reserved: self.bytes(self.pool.held_pages()),
             free_in_pool: self
-                .bytes(self.pool.bare_pages() + self.cached_pages + self.window.pages()),
+                .bytes(self.pool.bare_pages() + self.cache.pages + self.window.mapped.pages()),
             cap: self.lim.cap,
             short: self.bytes(short_pages),
             driver,

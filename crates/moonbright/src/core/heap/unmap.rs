@@ -57,7 +57,7 @@ impl Heap {
     pub fn waits_for_batch(&self, only: Option<ChunkId>) -> bool {
         match only {
             Some(c) => self.unmappable(c) == Unmappable::AfterBatch,
-            None => self.unmapping > 0,
+            None => self.claims.unmapping > 0,
         }
     }
 
@@ -79,10 +79,10 @@ impl Heap {
             Some((_, Unmappable::AfterBatch | Unmappable::AfterWork)) => Vec::new(),
             None => self.va.take_retired_runs(max, ready),
         };
-        self.unmapping += runs.len();
+        self.claims.unmapping += runs.len();
         for run in &runs {
             if self.va.is_private(run.va) {
-                self.unmapping_private.push((run.va, run.len));
+                self.claims.unmapping_private.push((run.va, run.len));
             }
         }
         runs
@@ -90,8 +90,8 @@ impl Heap {
 
     /// Commits an unmap batch of which the first `done` runs were unmapped; the rest stay retired.
     pub fn commit_unmap(&mut self, runs: Vec<UnmapRun>, done: usize, error: Option<DriverError>) {
-        self.unmapping -= runs.len();
-        self.unmapping_private.retain(|&(va, _)| !runs.iter().any(|r| r.va == va));
+        self.claims.unmapping -= runs.len();
+        self.claims.unmapping_private.retain(|&(va, _)| !runs.iter().any(|r| r.va == va));
         if !runs.is_empty() {
             self.stats.unmap_batches += 1;
             self.stats.unmap_calls_in_batches += (done + error.is_some() as usize) as u64;
@@ -99,7 +99,7 @@ impl Heap {
         let mut runs = runs.into_iter();
         for run in runs.by_ref().take(done) {
             for part in &run.parts {
-                if let Some(h) = &mut self.history {
+                if let Some(h) = &mut self.notes.history {
                     h.push(HistoryAction::SegmentUnmap, part.va, part.len, 0);
                 }
                 for &c in &part.chunks {
@@ -121,8 +121,8 @@ impl Heap {
     /// pending, cached), window segments and growables' committed pages. What a new peer must
     /// be granted access to; retired spans, on their way to be unmapped, are left out.
     pub fn mapped_spans(&self) -> Vec<(u64, u64)> {
-        let ranges = self.ranges.iter().flatten().map(|r| (r.va, self.bytes(r.pages)));
-        let window = self.window.segments().map(|(va, pages, _)| (va, self.bytes(pages)));
+        let ranges = self.ranges.iter().map(|(_, r)| r).map(|r| (r.va, self.bytes(r.pages)));
+        let window = self.window.mapped.segments().map(|(va, pages, _)| (va, self.bytes(pages)));
         let growables = self
             .growables
             .values()
@@ -133,16 +133,16 @@ impl Heap {
 
     /// Whether an unmap batch taken out of the queue has not committed yet.
     pub fn unmaps_in_flight(&self) -> bool {
-        self.unmapping > 0
+        self.claims.unmapping > 0
     }
 
     /// Retires every cached range and the window, for `release_unused`.
     pub fn retire_all_free(&mut self) {
-        while let Some((&seq, _)) = self.cached_lru.iter().next() {
+        while let Some((&seq, _)) = self.cache.lru.iter().next() {
             self.steal_cached(seq);
         }
         while self.steal_window(u64::MAX) {}
-        debug_assert_eq!(self.window.pages(), 0);
+        debug_assert_eq!(self.window.mapped.pages(), 0);
     }
 
     /// Takes out every bare chunk that is mapped nowhere, for release: a claim id (as a plan's)
@@ -153,10 +153,8 @@ impl Heap {
             let ch = self.pool.get(c);
             out.push((c, ch.handle, ch.pages));
         }
-        let id = self.next_plan;
-        self.next_plan += 1;
         let chunks = out.iter().map(|r| r.0).collect();
-        self.inflight.insert(id, Claim { chunks, ..Claim::default() });
+        let id = self.claims.add(Claim { chunks, ..Claim::default() });
         (id, out)
     }
 
@@ -168,7 +166,7 @@ impl Heap {
         chunks: Vec<(ChunkId, ChunkHandle, u64)>,
         released: &[bool],
     ) {
-        self.inflight.remove(&id);
+        self.claims.plans.remove(&id);
         for (&(c, _, pages), &gone) in chunks.iter().zip(released) {
             if gone {
                 self.pool.remove(c);
@@ -184,14 +182,14 @@ impl Heap {
     /// runs to unmap; every chunk to release; every reservation; every event. Leaves the heap
     /// empty. Returns the number of allocations still live too.
     pub fn teardown(&mut self) -> Teardown {
-        let leaked = self.live.len();
-        let ids: Vec<RangeId> = self.by_va.values().copied().collect();
+        let leaked = self.live.allocs.len();
+        let ids: Vec<RangeId> = self.ranges.by_va.values().copied().collect();
         for id in ids {
             let r = self.remove_range(id);
             let len = self.bytes(r.pages);
             self.retire(r.va, len, r.chunks.into_vec());
         }
-        for (va, pages, chunks) in self.window.drain() {
+        for (va, pages, chunks) in self.window.mapped.drain() {
             self.retire(va, self.bytes(pages), chunks);
         }
         let growables = std::mem::take(&mut self.growables);
@@ -204,12 +202,9 @@ impl Heap {
         let chunks = self.pool.iter().map(|(_, c)| c.handle).collect();
         let mut reservations = self.va.reservations().to_vec();
         reservations.extend(growables.values().map(|g| (g.base, g.capacity)));
-        let events = self
-            .streams
-            .iter()
-            .flat_map(|(_, f)| f.all_events())
-            .chain(self.event_stock.drain(..))
-            .collect();
+        let mut events: Vec<EventHandle> =
+            self.streams.iter().flat_map(|(_, f)| f.all_events()).collect();
+        events.append(&mut self.streams.stock);
         *self = Heap::new(self.lim);
         Teardown { leaked, runs, chunks, reservations, events }
     }
