@@ -179,3 +179,28 @@ impl CallTimes {
         matches!(kind, Reserve | Create | Release | Map | SetAccess | Unmap)
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn call_counts_since_subtracts_per_kind() {
+        let mut a = CallCounts::default();
+        a.0[CallKind::Map as usize] = 5;
+        let mut b = a;
+        b.0[CallKind::Map as usize] = 8;
+        b.0[CallKind::Unmap as usize] = 2;
+        let d = b.since(&a);
+        assert_eq!(d.get(CallKind::Map), 3);
+        assert_eq!(d.get(CallKind::Unmap), 2);
+        assert_eq!(d.total(), 5);
+    }
+
+    #[test]
+    fn call_kind_order_matches_discriminants() {
+        for (i, k) in CallKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i);
+        }
+    }
+}
