@@ -6,7 +6,7 @@ use std::ffi::{c_void, CStr, CString};
 use std::ptr;
 
 use cudarc::driver::sys;
-use moonbright::driver::cuda::{describe, missing_symbols};
+use moonbright::driver::cuda::require_symbols;
 
 use crate::Res;
 
@@ -59,14 +59,9 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// `Ok` on success, else an error `"<call> -> <NAME> (<description>)"`.
-pub fn ck(r: sys::CUresult, call: &str) -> Res<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} -> {}", describe(r)))
-    }
-}
+/// `Ok` on success, else an error `"<call> -> <NAME> (<description>)"`: the driver module's one
+/// check of a `CUresult`.
+pub use moonbright::driver::cuda::cu_check as ck;
 
 #[derive(Clone, Copy, Debug)]
 struct Ctx(sys::CUcontext);
@@ -97,10 +92,7 @@ impl Gpu {
                     .into(),
             );
         }
-        let missing = missing_symbols(REQUIRED_SYMBOLS);
-        if !missing.is_empty() {
-            return Err(format!("libcuda lacks {missing:?}: driver too old (CUDA 12.2+ needed)"));
-        }
+        require_symbols(REQUIRED_SYMBOLS, "driver too old (CUDA 12.2+ needed)")?;
         // SAFETY: flags by value; every symbol is present.
         ck(unsafe { sys::cuInit(0) }, "cuInit(0)").map_err(|e| format!("no usable GPU: {e}"))?;
         let mut count = 0;
@@ -150,7 +142,7 @@ impl Gpu {
         let mut v = 0;
         // SAFETY: valid out-pointer; `device` is valid.
         let r = unsafe { sys::cuDeviceGetAttribute(&mut v, attr, self.device) };
-        ck(r, &format!("cuDeviceGetAttribute({what})"))?;
+        ck(r, format!("cuDeviceGetAttribute({what})"))?;
         Ok(v)
     }
 
@@ -214,14 +206,14 @@ impl Drop for Gpu {
 pub fn mem_alloc(size: usize) -> Res<u64> {
     let mut p = 0;
     // SAFETY: valid out-pointer.
-    ck(unsafe { sys::cuMemAlloc_v2(&mut p, size) }, &format!("cuMemAlloc_v2({size})"))?;
+    ck(unsafe { sys::cuMemAlloc_v2(&mut p, size) }, format!("cuMemAlloc_v2({size})"))?;
     Ok(p)
 }
 
 /// `cuMemFree_v2`.
 pub fn mem_free(p: u64) -> Res<()> {
     // SAFETY: plain value; the driver validates it.
-    ck(unsafe { sys::cuMemFree_v2(p) }, &format!("cuMemFree_v2({p:#x})"))
+    ck(unsafe { sys::cuMemFree_v2(p) }, format!("cuMemFree_v2({p:#x})"))
 }
 
 /// `cuMemsetD32_v2` on the legacy default stream.
@@ -370,7 +362,7 @@ impl Module {
         let mut f: sys::CUfunction = ptr::null_mut();
         // SAFETY: valid out-pointer; the module is loaded; `c` outlives the call.
         let r = unsafe { sys::cuModuleGetFunction(&mut f, self.0, c.as_ptr()) };
-        ck(r, &format!("cuModuleGetFunction({name})"))?;
+        ck(r, format!("cuModuleGetFunction({name})"))?;
         Ok(Function(f))
     }
 }

@@ -348,7 +348,7 @@ impl AllocPath for CuAsync {
         let mut p = 0;
         // SAFETY: valid out-pointer; the stream is live.
         let r = unsafe { sys::cuMemAllocAsync(&mut p, size as usize, self.stream.0) };
-        ck(r, &format!("cuMemAllocAsync({size})"))?;
+        ck(r, format!("cuMemAllocAsync({size})"))?;
         Ok(p)
     }
     fn free(&mut self, ptr: u64) -> Res<()> {
@@ -510,7 +510,7 @@ impl AllocPath for RawVmm {
                 // SAFETY: valid out-pointer and a fully initialised property struct.
                 unsafe { sys::cuMemCreate(&mut h, hsize as usize, &prop, 0) }
             });
-            if let Err(e) = ck(r, &format!("cuMemCreate({hsize})")) {
+            if let Err(e) = ck(r, format!("cuMemCreate({hsize})")) {
                 self.unwind(0, 0, 0, &handles);
                 return Err(e);
             }
@@ -523,7 +523,7 @@ impl AllocPath for RawVmm {
             // SAFETY: valid out-pointer.
             unsafe { sys::cuMemAddressReserve(&mut va, rlen as usize, align as usize, 0, 0) }
         });
-        if let Err(e) = ck(r, &format!("cuMemAddressReserve({rlen})")) {
+        if let Err(e) = ck(r, format!("cuMemAddressReserve({rlen})")) {
             self.unwind(0, 0, 0, &handles);
             return Err(e);
         }

@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
 use common::*;
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::Options;
 use moonbright_preload::code;
 

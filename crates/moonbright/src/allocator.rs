@@ -4,163 +4,18 @@
 
 use std::fmt;
 
-use crate::config::{BackendKind, Options};
+use crate::config::Options;
 use crate::core::heap::{Heap, Limits};
 use crate::core::history::{HistoryEvent, SegmentInfo};
 use crate::core::stats::Stats;
 pub use crate::core::GrowableInfo;
-use crate::driver::cuda::{self, CudaDriver};
-use crate::driver::host::{HostConfig, HostDriver};
-use crate::driver::{
-    ChunkHandle, DevicePtr, Driver, DriverError, DriverResult, EventHandle, Instrumented, MemInfo,
-    SharedChunk, StreamHandle,
-};
+use crate::driver::prelude::*;
+use crate::driver::{Backend, DevicePtr, DriverError, Instrumented, StreamHandle};
 use crate::error::{Error, Result};
 use crate::ipc::{Export, Imports};
 use crate::stream::{worker, Shared};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-
-/// The backends MoonBright can run on.
-#[derive(Debug)]
-#[allow(clippy::large_enum_variant)] // one per allocator; boxing buys nothing
-pub enum Backend {
-    /// The CUDA driver.
-    Cuda(CudaDriver),
-    /// The CPU model.
-    Host(HostDriver),
-}
-
-impl Backend {
-    /// Opens the backend `options` ask for; `Auto` takes CUDA when a GPU is present.
-    pub fn open(options: &Options) -> Result<Backend> {
-        let host = || {
-            HostDriver::new(HostConfig {
-                page_size: options.host_page_size,
-                capacity: options.host_capacity,
-            })
-            .map(Backend::Host)
-            .map_err(Error::from)
-        };
-        let cuda = || {
-            let d = CudaDriver::new(options.device)?;
-            d.set_shareable(options.ipc);
-            Ok(Backend::Cuda(d))
-        };
-        match options.backend {
-            BackendKind::Host => host(),
-            BackendKind::Cuda => {
-                cuda().map_err(|e: DriverError| Error::NoBackend(format!("cuda backend: {e}")))
-            }
-            BackendKind::Auto => match cuda::probe() {
-                Ok(_) => cuda().map_err(Error::from),
-                Err(_) => host(),
-            },
-        }
-    }
-
-    /// The host backend, if this is it (for its test hooks).
-    pub fn as_host(&self) -> Option<&HostDriver> {
-        match self {
-            Backend::Host(h) => Some(h),
-            Backend::Cuda(_) => None,
-        }
-    }
-
-    fn as_dyn(&self) -> &dyn Driver {
-        match self {
-            Backend::Cuda(d) => d,
-            Backend::Host(d) => d,
-        }
-    }
-}
-
-impl Driver for Backend {
-    fn name(&self) -> &'static str {
-        self.as_dyn().name()
-    }
-    fn granularity(&self) -> usize {
-        self.as_dyn().granularity()
-    }
-    fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.as_dyn().mem_info()
-    }
-    fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
-        self.as_dyn().reserve(size, alignment)
-    }
-    fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
-        self.as_dyn().free_reservation(base, size)
-    }
-    fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
-        self.as_dyn().create_chunk(size)
-    }
-    fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
-        self.as_dyn().release_chunk(handle)
-    }
-    fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
-        self.as_dyn().map(va, size, handle)
-    }
-    fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
-        self.as_dyn().set_access(va, size)
-    }
-    fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
-        self.as_dyn().unmap(va, size)
-    }
-    fn set_peers(&self, peers: &[i32]) -> DriverResult<()> {
-        self.as_dyn().set_peers(peers)
-    }
-    fn bind_thread(&self) -> DriverResult<()> {
-        self.as_dyn().bind_thread()
-    }
-    fn begin_batch(&self) -> crate::driver::Batch {
-        self.as_dyn().begin_batch()
-    }
-    fn end_batch(&self, batch: crate::driver::Batch) {
-        self.as_dyn().end_batch(batch)
-    }
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> DriverResult<()> {
-        self.as_dyn().write(dst, src)
-    }
-    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> DriverResult<()> {
-        self.as_dyn().read(src, dst)
-    }
-    fn create_stream(&self) -> DriverResult<StreamHandle> {
-        self.as_dyn().create_stream()
-    }
-    fn destroy_stream(&self, stream: StreamHandle) -> DriverResult<()> {
-        self.as_dyn().destroy_stream(stream)
-    }
-    fn create_event(&self) -> DriverResult<EventHandle> {
-        self.as_dyn().create_event()
-    }
-    fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
-        self.as_dyn().record_event(event, stream)
-    }
-    fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
-        self.as_dyn().event_done(event)
-    }
-    fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
-        self.as_dyn().destroy_event(event)
-    }
-    fn synchronize_event(&self, event: EventHandle) -> DriverResult<()> {
-        self.as_dyn().synchronize_event(event)
-    }
-    fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
-        self.as_dyn().is_capturing(stream)
-    }
-    fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
-        self.as_dyn().capture_id(stream)
-    }
-    fn export_chunk(&self, handle: ChunkHandle, size: usize) -> DriverResult<SharedChunk> {
-        self.as_dyn().export_chunk(handle, size)
-    }
-    fn import_chunk(&self, chunk: &SharedChunk) -> DriverResult<ChunkHandle> {
-        self.as_dyn().import_chunk(chunk)
-    }
-    fn shareable(&self) -> bool {
-        self.as_dyn().shareable()
-    }
-}
 
 /// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free, on
 /// any stream.

@@ -5,9 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use crate::allocator::Backend;
 use crate::config::Options;
-use crate::driver::{ChunkHandle, DevicePtr, Driver, DriverError, Instrumented};
+use crate::driver::{prelude::*, Backend, ChunkHandle, DevicePtr, DriverError, Instrumented};
 use crate::error::{Error, Result};
 
 /// Blocks are rounded to this many bytes, as PyTorch rounds to 512.

@@ -29,7 +29,7 @@ use rustix::net::{
     SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 
-use crate::driver::{reservation_alignment, DevicePtr, Driver, SharedChunk};
+use crate::driver::{prelude::*, reservation_alignment, DevicePtr, SharedChunk};
 use crate::error::{Error, Result};
 
 /// The first bytes of every export on the wire: a name and a format version.

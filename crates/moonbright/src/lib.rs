@@ -32,9 +32,9 @@ pub(crate) mod sync;
 pub mod testing;
 pub mod trace;
 
-pub use allocator::{Allocator, Backend, GrowableInfo};
+pub use allocator::{Allocator, GrowableInfo};
 pub use config::{BackendKind, Options, Profile};
 pub use core::stats::{Stat, Stats};
-pub use driver::{CallKind, DevicePtr, DriverError, StreamHandle};
+pub use driver::{Backend, CallKind, DevicePtr, DriverError, StreamHandle};
 pub use error::{Error, Result};
 pub use ipc::Export;

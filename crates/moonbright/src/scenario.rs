@@ -3,7 +3,7 @@
 
 use crate::allocator::Allocator;
 use crate::baseline::NoRemapAllocator;
-use crate::driver::{DevicePtr, Driver};
+use crate::driver::{prelude::*, DevicePtr};
 use crate::error::{Error, Result};
 
 /// What a workload needs of an allocator.

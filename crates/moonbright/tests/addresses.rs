@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::trace::{Action, Trace};
 use moonbright::{Allocator, Options, StreamHandle};
 

@@ -7,7 +7,7 @@
 //! global-mode capture is invalidated by another thread's synchronous driver call.
 
 use cudarc::driver::sys;
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::testing::Gpu;
 use moonbright::{Allocator, BackendKind, Error, Options};
 
@@ -71,7 +71,7 @@ fn allocation_during_graph_capture_is_refused() {
 /// another thread allocates new sizes on its own stream (maps, set access, unmaps, event
 /// queries) and the background worker runs: none of MoonBright's calls may invalidate the
 /// capture. Under global mode a "potentially unsafe" call from any thread does; MoonBright makes
-/// its calls with the thread's capture mode relaxed (`driver/cuda.rs: relaxed`).
+/// its calls with the thread's capture mode relaxed (`driver/cuda/context.rs: relaxed`).
 #[test]
 fn allocation_beside_a_global_mode_capture_leaves_it_valid() {
     let Some((_gpu, a)) = cuda_allocator(4 << 30) else { return };

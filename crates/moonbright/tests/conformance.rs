@@ -277,7 +277,7 @@ fn frees_from_other_threads(a: &Allocator) {
 /// fail behind the user's back (a record on a destroyed stream would), every stamp holds, and
 /// the allocator forgets finished streams, so events are reused rather than created a stream.
 fn short_lived_streams(a: &Allocator) {
-    use moonbright::driver::Driver;
+    use moonbright::driver::prelude::*;
     if a.options().deferred_free_events {
         // Outside that option's contract: the worker records events on freeing streams later.
         eprintln!("skipping: with deferred_free_events, streams outlive the allocator");

@@ -3,7 +3,7 @@
 //! able to go on. The host backend's own books are compared with the allocator's after every step.
 
 use moonbright::driver::code;
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options};
 use rand::{Rng, SeedableRng};

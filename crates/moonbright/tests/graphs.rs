@@ -8,7 +8,7 @@
 //! `torch.cuda.graph` (python/tests/gpu/test_graphs.py).
 
 use moonbright::driver::host::HostDriver;
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options, StreamHandle};
 

@@ -4,7 +4,7 @@
 //! OOM under the cap, and driver failures at every call kind of a growth. The CUDA backend runs
 //! the same cases when a GPU is present.
 
-use moonbright::driver::{code, Driver};
+use moonbright::driver::{code, prelude::*};
 use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, StreamHandle};
 

@@ -41,7 +41,7 @@ fn cuda_alloc() -> Option<(moonbright::testing::Gpu, Allocator, StreamHandle)> {
         ..Options::default()
     })
     .unwrap();
-    use moonbright::driver::Driver;
+    use moonbright::driver::prelude::*;
     let s = a.driver().create_stream().unwrap();
     Some((gpu, a, s))
 }
@@ -489,7 +489,7 @@ fn bad_input_is_refused_and_changes_nothing_cuda() {
 fn commits_on_a_capturing_stream_are_refused() {
     let a = host_alloc();
     let s = {
-        use moonbright::driver::Driver;
+        use moonbright::driver::prelude::*;
         a.driver().create_stream().unwrap()
     };
     let mut pool = PagedPool::new(&a, config(), s).unwrap();

@@ -23,7 +23,7 @@ fn streams(a: &Allocator, n: usize) -> Vec<StreamHandle> {
     (0..n).map(|_| a.driver().create_stream().unwrap()).collect()
 }
 
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 
 fn host(a: &Allocator) -> &moonbright::driver::host::HostDriver {
     a.driver().inner().as_host().unwrap()

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use moonbright::driver::Driver;
+use moonbright::driver::prelude::*;
 use moonbright::{Allocator, BackendKind, StreamHandle};
 use moonbright_bench::cu::{Gpu, Stream};
 use moonbright_bench::paths::window_for;

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use moonbright::driver::{CallTimes, Driver};
+use moonbright::driver::{prelude::*, CallTimes};
 use moonbright::{Allocator, Options};
 use moonbright_bench::{human, main_wrapper, Res, MIB};
 

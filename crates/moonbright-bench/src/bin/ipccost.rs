@@ -14,7 +14,7 @@ use std::time::Instant;
 use clap::Parser;
 use cudarc::driver::sys;
 use moonbright::{Allocator, BackendKind, Options};
-use moonbright_bench::cu::Gpu;
+use moonbright_bench::cu::{ck, Gpu};
 use moonbright_bench::stats::{us_since, Summary};
 use moonbright_bench::{env_options, human, main_wrapper, Res, GIB, MIB};
 
@@ -36,14 +36,6 @@ const SIZES: [u64; 3] = [2 * MIB, 64 * MIB, GIB];
 
 fn main() -> ExitCode {
     main_wrapper("ipccost", || run(Args::parse()))
-}
-
-fn ck(r: sys::CUresult, what: &str) -> Res<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{what}: {r:?}"))
-    }
 }
 
 /// One `cuMemCreate` + `cuMemRelease` of `size` bytes; the create's µs.

@@ -34,7 +34,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use cudarc::driver::sys;
-use moonbright::driver::{CallCounts, CallKind, CallTimes, Driver, Instrumented};
+use moonbright::driver::{prelude::*, CallCounts, CallKind, CallTimes, Instrumented};
 use moonbright::{Allocator, Backend, BackendKind, Options};
 use moonbright_bench::cu::{
     copy_dtoh_u64, ctx_sync, mem_alloc, mem_free, memset_d32, Arg, Function, Gpu, Module, Stream,

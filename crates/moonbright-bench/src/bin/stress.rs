@@ -314,7 +314,7 @@ fn run() -> Res<()> {
         let s = match &stream {
             Some(s) => s.handle(),
             None => {
-                moonbright::driver::Driver::create_stream(a.driver()).map_err(|e| e.to_string())?
+                moonbright::driver::Streams::create_stream(a.driver()).map_err(|e| e.to_string())?
             }
         };
         let mut mb = Mb { a, s };

@@ -4,7 +4,7 @@
 //! failure, and the heap commits the outcome under the lock again.
 
 use super::pool::ChunkId;
-use crate::driver::{batched, ChunkHandle, Driver, DriverError};
+use crate::driver::{batched, prelude::*, ChunkHandle, DriverError};
 
 /// What a range-making request will do with the driver.
 #[derive(Debug)]

@@ -1,5 +1,5 @@
-//! The CUDA side of the paged pool: the table kernel (`kernels.cu`) compiled with NVRTC at run
-//! time, loaded once per device context, and its stream-ordered launch, one a step. A step's delta goes
+//! The device side of the paged pool: the table kernel (`kernels.cu`) compiled with NVRTC at run
+//! time, loaded once per device context through the driver contract (`Kernels`), and its stream-ordered launch, one a step. A step's delta goes
 //! through a ring of pinned, device-mapped staging buffers that the kernels read directly. Steps
 //! fill one buffer one after another; when the next delta does not fit, an event is recorded
 //! behind the buffer's last kernels and the step moves on to a buffer whose event has completed
@@ -10,12 +10,11 @@ use std::ffi::{c_void, CString};
 use std::ptr;
 use std::sync::Mutex;
 
-use cudarc::driver::sys;
-
 use super::delta::{Delta, PageCopy, TableOp, TokenRun};
 use super::{PagedConfig, PagedError, PagedResult, TablePointers};
-use crate::driver::cuda::{describe, missing_symbols, CudaDriver};
-use crate::driver::{Driver, EventHandle, StreamHandle};
+use crate::driver::{
+    Backend, EventHandle, KernelHandle, Kernels as _, PinnedBuffer, StreamHandle, Streams,
+};
 use crate::DevicePtr;
 
 /// The kernels' CUDA C source.
@@ -50,85 +49,29 @@ pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
     crate::nvrtc::compile_ptx(kernel_source(), "moonbright_paged.cu", nvrtc_options(opts))
 }
 
-/// Every libcuda symbol this file calls.
-const REQUIRED_SYMBOLS: [&str; 9] = [
-    "cuDeviceGet",
-    "cuDevicePrimaryCtxRetain",
-    "cuDeviceGetAttribute",
-    "cuModuleLoadData",
-    "cuModuleGetFunction",
-    "cuLaunchKernel",
-    "cuMemHostAlloc",
-    "cuMemHostGetDevicePointer_v2",
-    "cuMemFreeHost",
-];
-
-fn ck(r: sys::CUresult, call: &str) -> Result<(), String> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} -> {}", describe(r)))
-    }
-}
-
 /// The kernel of a loaded module.
 #[derive(Clone, Copy, Debug)]
 struct Kernels {
-    step: sys::CUfunction,
+    step: KernelHandle,
 }
-// SAFETY: CUfunction handles are opaque, valid while their module is loaded (for good: modules
-// are cached and never unloaded), and usable from any thread with the context current.
-unsafe impl Send for Kernels {}
 
-/// Loaded modules, by context (modules belong to a context; the primary context is shared by
-/// every driver of its device). The cache holds a reference on each context it has a module
-/// for, for the life of the process: a primary context whose last reference goes is destroyed
-/// with its modules, and may come back at the same address, which would leave a stale entry.
-static MODULES: Mutex<Vec<(usize, Kernels)>> = Mutex::new(Vec::new());
+/// Loaded modules, by the context they were loaded into (`Kernels::module_context`: the primary
+/// context is shared by every driver of its device). Modules are never unloaded, and the driver
+/// keeps their context alive, so an entry never goes stale.
+static MODULES: Mutex<Vec<(u64, Kernels)>> = Mutex::new(Vec::new());
 
-fn kernels_for(d: &CudaDriver) -> Result<Kernels, String> {
-    let missing = missing_symbols(&REQUIRED_SYMBOLS);
-    if !missing.is_empty() {
-        return Err(format!("libcuda lacks {missing:?}"));
-    }
-    let _ctx = d.context_scope().map_err(|e| e.to_string())?;
-    let key = d.context() as usize;
+fn kernels_for(d: &Backend) -> Result<Kernels, String> {
+    let key = d.module_context().map_err(|e| e.message)?;
     let mut cache = MODULES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, k)) = cache.iter().find(|(c, _)| *c == key) {
         return Ok(*k);
     }
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: valid out-pointer; the ordinal is the driver's own.
-    ck(unsafe { sys::cuDeviceGet(&mut dev, d.device()) }, "cuDeviceGet")?;
-    let attr = |a, what: &str| -> Result<i32, String> {
-        let mut v = 0;
-        // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
-        ck(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, what)?;
-        Ok(v)
-    };
-    use sys::CUdevice_attribute::*;
-    let arch = (
-        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "cuDeviceGetAttribute(CC major)")?,
-        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cuDeviceGetAttribute(CC minor)")?,
-    );
+    let arch = d.compute_capability().map_err(|e| e.message)?;
     let ptx = compile_ptx(&NvrtcOptions { arch, line_info: true })?;
     let image = CString::new(ptx).map_err(|_| "NVRTC produced PTX with a NUL byte")?;
-    let mut module: sys::CUmodule = ptr::null_mut();
-    // SAFETY: `image` is a NUL-terminated PTX image that outlives the call; a context is current.
-    let r = unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) };
-    ck(r, "cuModuleLoadData(paged kernels)")?;
-    let function = |name: &str| -> Result<sys::CUfunction, String> {
-        let c = CString::new(name).expect("no NUL in kernel names");
-        let mut f: sys::CUfunction = ptr::null_mut();
-        // SAFETY: valid out-pointer; the module is loaded; `c` outlives the call.
-        ck(unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) }, name)?;
-        Ok(f)
-    };
-    let k = Kernels { step: function("mb_paged_step")? };
-    let mut held: sys::CUcontext = ptr::null_mut();
-    // SAFETY: valid out-pointer; `dev` came from cuDeviceGet. The reference is never released
-    // (see MODULES).
-    ck(unsafe { sys::cuDevicePrimaryCtxRetain(&mut held, dev) }, "cuDevicePrimaryCtxRetain")?;
+    let module = d.load_module(image.as_bytes_with_nul()).map_err(|e| e.message)?;
+    let step = d.kernel_function(module, "mb_paged_step").map_err(|e| e.message)?;
+    let k = Kernels { step };
     cache.push((key, k));
     Ok(k)
 }
@@ -157,7 +100,7 @@ pub(crate) struct DeviceTables {
     stream: StreamHandle,
     /// The kernel's block counters (zeroed device memory of the pool, zero between launches).
     sync: DevicePtr,
-    driver: *const CudaDriver,
+    driver: *const Backend,
 }
 
 // SAFETY: the raw pointers are a pinned host buffer owned by this value (freed in `release`)
@@ -204,7 +147,8 @@ fn align16(n: usize) -> usize {
 }
 
 impl DeviceTables {
-    pub(crate) fn new(d: &CudaDriver, stream: StreamHandle, sync: DevicePtr) -> PagedResult<Self> {
+    /// The kernels and an empty ring, on a driver that runs kernels (`Kernels::runs_kernels`).
+    pub(crate) fn new(d: &Backend, stream: StreamHandle, sync: DevicePtr) -> PagedResult<Self> {
         let kernels = kernels_for(d).map_err(PagedError::Device)?;
         Ok(DeviceTables {
             kernels,
@@ -218,7 +162,7 @@ impl DeviceTables {
         })
     }
 
-    fn driver(&self) -> &CudaDriver {
+    fn driver(&self) -> &Backend {
         // SAFETY: the allocator that owns the driver outlives the pool (see `Send` above).
         unsafe { &*self.driver }
     }
@@ -264,28 +208,21 @@ impl DeviceTables {
         self.ring[i].busy = false;
         if self.ring[i].bytes < bytes {
             let size = bytes.next_power_of_two().max(MIN_STAGING);
+            let driver = self.driver;
             let s = &mut self.ring[i];
             if !s.host.is_null() {
-                // SAFETY: allocated by cuMemHostAlloc below; its last use has completed.
-                let _ = unsafe { sys::cuMemFreeHost(s.host.cast()) };
+                let old = PinnedBuffer { host: s.host, device: s.device, bytes: s.bytes };
+                // SAFETY: allocated by `alloc_pinned` below, freed once (the ring forgets it
+                // next); its last use has completed. `driver` outlives the pool (see `Send`).
+                let _ = unsafe { (*driver).free_pinned(old) };
                 s.host = ptr::null_mut();
                 s.bytes = 0;
             }
-            let mut h: *mut c_void = ptr::null_mut();
-            // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
-            // SAFETY: valid out-pointer; a context is current.
-            ck(unsafe { sys::cuMemHostAlloc(&mut h, size, 0x01 | 0x02) }, "cuMemHostAlloc")?;
-            let mut dptr: sys::CUdeviceptr = 0;
-            // SAFETY: `h` is mapped pinned memory just allocated.
-            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, h, 0) };
-            if let Err(e) = ck(r, "cuMemHostGetDevicePointer") {
-                // SAFETY: allocated just above, never used.
-                let _ = unsafe { sys::cuMemFreeHost(h) };
-                return Err(e);
-            }
-            s.host = h.cast();
-            s.device = dptr;
-            s.bytes = size;
+            // SAFETY: as above, the driver outlives the pool.
+            let pinned = unsafe { &*driver }.alloc_pinned(size).map_err(|e| e.message)?;
+            s.host = pinned.host;
+            s.device = pinned.device;
+            s.bytes = pinned.bytes;
         }
         self.next = (i + 1) % self.ring.len();
         Ok(i)
@@ -334,8 +271,6 @@ impl DeviceTables {
         if n_ops == 0 && n_copies == 0 && tokens == 0 {
             return Ok(());
         }
-        // The caller's thread keeps its own current context (a PyTorch user's current device).
-        let _ctx = self.driver().context_scope().map_err(|e| e.to_string())?;
         let ops_bytes = align16(n_ops * std::mem::size_of::<TableOp>());
         let copies_bytes = align16(n_copies * std::mem::size_of::<PageCopy>());
         let runs_bytes = n_runs * std::mem::size_of::<TokenRun>();
@@ -386,32 +321,21 @@ impl DeviceTables {
             pad: 0,
         };
         let mut params: [*mut c_void; 1] = [(&args as *const StepArgs).cast_mut().cast()];
+        // The driver enters its context for the launch and leaves the caller's thread with its
+        // own (a PyTorch user's current device).
         // SAFETY: mb_paged_step takes one `StepArgs` by value and this is its `repr(C)` twin
         // (the layout is asserted on both sides); the driver copies it during the call. Every
         // pointer in it is a buffer of this pool (fixed tables, pages, counters, the staging
         // bytes reserved above) that outlives the kernel.
         let r = unsafe {
-            sys::cuLaunchKernel(
-                self.kernels.step,
-                grid,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                self.stream.0 as sys::CUstream,
-                params.as_mut_ptr(),
-                ptr::null_mut(),
-            )
+            self.driver().launch(self.kernels.step, grid, THREADS, self.stream, &mut params)
         };
-        ck(r, "cuLaunchKernel(mb_paged_step)")?;
+        r.map_err(|e| e.message)?;
         Ok(())
     }
 
     /// Waits for the staging buffers' last kernels and frees them (the pool is going away).
     pub(crate) fn release(&mut self) {
-        let _ctx = self.driver().context_scope();
         let filling = self.filling;
         if self.retire_filling().is_err() {
             // No event behind its kernels: leak the buffer rather than free it under them.
@@ -428,8 +352,10 @@ impl DeviceTables {
                 let _ = self.driver().destroy_event(e);
             }
             if !s.host.is_null() {
-                // SAFETY: allocated by cuMemHostAlloc; no kernel reads it any more (waited above).
-                let _ = unsafe { sys::cuMemFreeHost(s.host.cast()) };
+                let buffer = PinnedBuffer { host: s.host, device: s.device, bytes: s.bytes };
+                // SAFETY: allocated by `alloc_pinned` and freed once (the ring is gone); no
+                // kernel reads it any more (waited above).
+                let _ = unsafe { self.driver().free_pinned(buffer) };
             }
         }
     }

@@ -89,7 +89,7 @@ fn paged_host_bench() {
         };
         let a = Allocator::new(opts).unwrap();
         let stream = if cuda {
-            use crate::driver::Driver;
+            use crate::driver::prelude::*;
             a.driver().create_stream().unwrap()
         } else {
             StreamHandle::DEFAULT

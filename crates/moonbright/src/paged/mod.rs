@@ -29,6 +29,7 @@ use reference::HostTables;
 use rows::{PageLists, RowHot};
 use store::{GrowableStore, PageStore};
 
+use crate::driver::Kernels as _;
 use crate::{Allocator, DevicePtr, StreamHandle};
 
 /// Everything a paged-pool call can refuse. A refused request changes nothing.
@@ -371,8 +372,10 @@ impl<'a> PagedPool<'a> {
                 return Err(e);
             }
         };
-        let applier = match alloc.driver().inner() {
-            crate::Backend::Cuda(d) => match device::DeviceTables::new(d, stream, sync) {
+        // A driver that runs kernels keeps the tables on the device; else they stay on the host.
+        let driver = alloc.driver().inner();
+        let applier = if driver.runs_kernels() {
+            match device::DeviceTables::new(driver, stream, sync) {
                 Ok(t) => Applier::Device(t),
                 Err(e) => {
                     let _ = store.release(stream);
@@ -381,12 +384,9 @@ impl<'a> PagedPool<'a> {
                     }
                     return Err(e);
                 }
-            },
-            crate::Backend::Host(_) => Applier::Host(HostTables::new(
-                cfg.max_seqs,
-                cfg.max_pages_per_seq,
-                cfg.tokens_per_page,
-            )),
+            }
+        } else {
+            Applier::Host(HostTables::new(cfg.max_seqs, cfg.max_pages_per_seq, cfg.tokens_per_page))
         };
         let mut free_rows = FreeIds::new();
         free_rows.grow_to(cfg.max_seqs);
@@ -828,7 +828,7 @@ impl<'a> PagedPool<'a> {
     pub fn synchronize(&self) -> PagedResult<()> {
         if let Applier::Device(_) = self.applier {
             let d = self.alloc.driver();
-            use crate::driver::Driver;
+            use crate::driver::prelude::*;
             let e = d.create_event().map_err(crate::Error::from)?;
             let r = d.record_event(e, self.stream).and_then(|_| d.synchronize_event(e));
             let _ = d.destroy_event(e);
@@ -960,7 +960,7 @@ impl<'a> PagedPool<'a> {
 
     /// Refuses a commit on a capturing stream, before anything changes.
     fn refuse_capture(&self) -> PagedResult<()> {
-        use crate::driver::Driver;
+        use crate::driver::prelude::*;
         if self.alloc.driver().is_capturing(self.stream).map_err(crate::Error::from)? {
             return Err(PagedError::StreamCapture { stream: self.stream.0 });
         }

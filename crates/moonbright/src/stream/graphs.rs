@@ -10,7 +10,7 @@
 
 use super::Shared;
 use crate::core::graphs::{HandBack, PoolFree, PoolId};
-use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::driver::{prelude::*, DevicePtr, StreamHandle};
 use crate::error::{Error, Result};
 use crate::sync::atomic::Ordering;
 

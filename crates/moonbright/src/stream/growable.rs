@@ -4,7 +4,7 @@
 
 use super::{Shared, MAX_WAIT, WAIT_STEP};
 use crate::core::heap::Resize;
-use crate::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
+use crate::driver::{prelude::*, DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 
 impl Shared {

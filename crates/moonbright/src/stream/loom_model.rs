@@ -11,7 +11,7 @@ use loom::thread;
 
 use crate::allocator::Allocator;
 use crate::config::Options;
-use crate::driver::{Driver, StreamHandle};
+use crate::driver::{prelude::*, StreamHandle};
 use crate::scenario::{stamp, verify};
 
 use super::worker::Worker;

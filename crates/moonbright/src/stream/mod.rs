@@ -9,11 +9,12 @@ mod growable;
 mod loom_model;
 pub(crate) mod worker;
 
-use crate::allocator::Backend;
 use crate::config::Options;
 use crate::core::heap::{Fast, Freed, Heap, RangeId, Step};
 use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
-use crate::driver::{DevicePtr, Driver, DriverError, EventHandle, Instrumented, StreamHandle};
+use crate::driver::{
+    prelude::*, Backend, DevicePtr, DriverError, EventHandle, Instrumented, StreamHandle,
+};
 use crate::error::{Error, Result};
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::sync::{pause, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};

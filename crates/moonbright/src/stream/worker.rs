@@ -12,7 +12,7 @@ use crate::sync::Instant;
 use super::Shared;
 use crate::core::heap::Step;
 use crate::core::mapping::execute;
-use crate::driver::Driver;
+use crate::driver::prelude::*;
 
 /// The window's share of allocated memory: its pages are held but unused, which is exactly what
 /// the fragmentation figures count, so it may grow past `prefetch_window_min` only to 1/64th
