@@ -11,8 +11,8 @@ use loom::thread;
 
 use crate::allocator::Allocator;
 use crate::config::Options;
-use crate::driver::{Driver, StreamHandle};
-use crate::scenario::{stamp, verify};
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::Result;
 
 use super::worker::Worker;
 
@@ -55,6 +55,28 @@ fn worker_passes(a: &Arc<Allocator>, passes: usize) -> thread::JoinHandle<()> {
             worker.tick(a.shared());
         }
     })
+}
+
+/// Fills an allocation's first and last 4 KiB with a byte of `id`'s own, so that allocations
+/// sharing bytes show (the whole of it would cost every interleaving a large copy).
+fn stamp(a: &Allocator, p: DevicePtr, len: usize, id: u64) -> Result<()> {
+    let edge = len.min(4096);
+    a.write(p, &vec![fill(id); edge])?;
+    a.write(p + (len - edge) as u64, &vec![fill(id); edge])
+}
+
+/// Whether the allocation still holds what `stamp` wrote.
+fn verify(a: &Allocator, p: DevicePtr, len: usize, id: u64) -> Result<bool> {
+    let edge = len.min(4096);
+    let (mut head, mut tail) = (vec![0; edge], vec![0; edge]);
+    a.read(p, &mut head)?;
+    a.read(p + (len - edge) as u64, &mut tail)?;
+    Ok(head.iter().chain(&tail).all(|&b| b == fill(id)))
+}
+
+/// `id`'s byte: distinct for the models' few ids, and never 0 (the bytes of fresh memory).
+fn fill(id: u64) -> u8 {
+    (id % 255) as u8 + 1
 }
 
 /// A request on its own thread: allocates `len` bytes (on `stream`, or unordered), stamps

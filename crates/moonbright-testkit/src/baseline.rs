@@ -5,10 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use crate::allocator::Backend;
-use crate::config::Options;
-use crate::driver::{ChunkHandle, DevicePtr, Driver, DriverError, Instrumented};
-use crate::error::{Error, Result};
+use moonbright::driver::{ChunkHandle, DevicePtr, Driver, DriverError, Instrumented};
+use moonbright::{Backend, Error, Options, Result};
 
 /// Blocks are rounded to this many bytes, as PyTorch rounds to 512.
 const BLOCK_ROUND: u64 = 512;
