@@ -161,7 +161,7 @@ impl RecordedFigures {
 /// The formats [`Trace::load`] recognises.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
-    /// This module's CSV (`seq,action,addr,size,stream,dt_us`).
+    /// The trace format's CSV (`seq,action,addr,size,stream,dt_us`).
     Csv,
     /// RMM's logging CSV (`Thread,Time,Action,Pointer,Size,Stream`).
     RmmCsv,
@@ -213,7 +213,7 @@ impl Trace {
         }
     }
 
-    /// Reads this module's CSV, gzipped or not.
+    /// Reads the trace format's CSV, gzipped or not.
     pub fn read_csv(reader: impl Read) -> Result<Trace, TraceError> {
         let r = maybe_gunzip(reader)?;
         let mut csv = csv::ReaderBuilder::new().has_headers(true).from_reader(r);
@@ -255,7 +255,7 @@ impl Trace {
         Ok(Trace { events })
     }
 
-    /// Writes this module's CSV.
+    /// Writes the trace format's CSV.
     pub fn write_csv(&self, writer: impl Write) -> Result<(), TraceError> {
         let mut w = BufWriter::with_capacity(1 << 16, writer);
         writeln!(w, "{}", HEADER.join(","))?;
@@ -270,7 +270,7 @@ impl Trace {
         Ok(())
     }
 
-    /// Writes this module's CSV, gzipped.
+    /// Writes the trace format's CSV, gzipped.
     pub fn write_csv_gz(&self, writer: impl Write) -> Result<(), TraceError> {
         let mut gz = flate2::write::GzEncoder::new(writer, flate2::Compression::default());
         self.write_csv(&mut gz)?;
