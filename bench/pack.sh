@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 target=${CARGO_TARGET_DIR:-target}
 cargo build --release -p moonbright-bench "$@"
 mkdir -p carry/bin
-for b in latency stress interference gpu_stress vaprobe hitprobe ipccost scale; do
+for b in latency stress interference gpu_stress vaprobe hitprobe ipccost scale paged_host; do
   cp "$target/release/$b" carry/bin/
   strip "carry/bin/$b" 2>/dev/null || true
 done

@@ -34,8 +34,8 @@ for run in "${runs[@]}"; do
   case "$run" in
     thread | address)
       echo "== the CPU tests under the ${run} sanitizer"
-      for tests in "-p moonbright --lib --tests" "-p moonbright-capi --lib --test api --test paged" \
-        "-p moonbright-preload --lib --tests"; do
+      for tests in "-p moonbright --lib --tests" "-p moonbright-trace --lib --tests" \
+        "-p moonbright-capi --lib --test api --test paged" "-p moonbright-preload --lib --tests"; do
         # shellcheck disable=SC2086 # $tests is a list of arguments
         RUSTFLAGS="-Zsanitizer=$run" CARGO_TARGET_DIR="target/san-$run" \
           LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp" \

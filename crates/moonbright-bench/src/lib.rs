@@ -8,7 +8,8 @@ pub mod cu;
 pub mod kernels;
 pub mod nvrtc;
 pub mod paths;
-pub mod stats;
+/// Sample summaries and the one percentile (`moonbright-testkit`).
+pub use moonbright_testkit::stats;
 pub mod workload;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -6,7 +6,8 @@ use std::ffi::{c_int, c_void};
 
 use moonbright::StreamHandle;
 
-use crate::{allocator, call, mb_allocator, query, Failure};
+use crate::status::{allocator, call, query, Failure};
+use crate::types::mb_allocator;
 
 /// The sizes of a growable allocation, in bytes (`mb_get_growable_info`).
 #[repr(C)]

@@ -7,7 +7,8 @@ use std::os::fd::BorrowedFd;
 
 use moonbright::Export;
 
-use crate::{allocator, call, mb_allocator, write_out, Failure};
+use crate::status::{allocator, call, write_out, Failure};
+use crate::types::mb_allocator;
 
 /// The socket a caller passed, borrowed for the call.
 ///

@@ -8,7 +8,8 @@ use std::ffi::{c_int, c_void};
 use moonbright::paged::{PagedConfig, PagedError, PagedPool, SeqId};
 use moonbright::StreamHandle;
 
-use super::{allocator, call, mb_allocator, status_of, write_out, Failure, MB_ERR_DRIVER};
+use crate::status::{allocator, call, status_of, write_out, Failure, MB_ERR_DRIVER};
+use crate::types::mb_allocator;
 
 /// An unknown sequence id (never handed out by this pool).
 pub const MB_ERR_UNKNOWN_SEQUENCE: c_int = 9;

@@ -1,5 +1,5 @@
 //! The committed header `include/moonbright.h` is what cbindgen makes of `src/lib.rs` now (and of
-//! the modules it declares: `growable.rs`, `ipc.rs`, `paged.rs`).
+//! the modules it declares, in their order).
 //! `MOONBRIGHT_BLESS=1 cargo test -p moonbright-capi --test header` rewrites it.
 
 use std::path::Path;

@@ -3,9 +3,9 @@
 
 use crate::ExitCode;
 
-use moonbright::baseline::NoRemapAllocator;
-use moonbright::scenario::{fragmentation, FragmentationReport};
 use moonbright::{Allocator, BackendKind, Options, Stats};
+use moonbright_testkit::baseline::NoRemapAllocator;
+use moonbright_testkit::scenario::{fragmentation, FragmentationReport};
 
 use crate::MIB;
 

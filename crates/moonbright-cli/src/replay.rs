@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moonbright::driver::cuda;
-use moonbright::trace::{self, Format, RecordedFigures, ReplayOptions, ReplayReport, Trace};
 use moonbright::{Allocator, BackendKind, CallKind, Options, Stats};
+use moonbright_trace::{
+    self as trace, Format, RecordedFigures, ReplayOptions, ReplayReport, Trace,
+};
 use serde_json::{json, Value};
 
 use crate::{ReplayArgs, GIB, MIB};
@@ -302,7 +304,7 @@ pub(crate) fn run(
     bar.finish_and_clear();
     let stats = alloc.stats();
     let recorded_series =
-        if series_points > 0 { recorded_reserved_series(&trace, series_points) } else { vec![] };
+        if series_points > 0 { trace.recorded_reserved_series(series_points) } else { vec![] };
     Ok(Outcome {
         path: path.to_path_buf(),
         format,
@@ -317,35 +319,6 @@ pub(crate) fn run(
         stats,
         recorded_series,
     })
-}
-
-/// The recorder's reserved bytes over events, the highest of each stretch, stretched as
-/// `trace::replay` stretches its series. Empty when the trace has no segment events.
-fn recorded_reserved_series(trace: &Trace, points: usize) -> Vec<u64> {
-    use moonbright::trace::Action;
-    if !trace.events.iter().any(|e| {
-        matches!(
-            e.action,
-            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
-        )
-    }) {
-        return vec![];
-    }
-    let stretch = trace.events.len().div_ceil(points).max(1);
-    let (mut cur, mut best, mut out) = (0u64, 0u64, Vec::new());
-    for (i, e) in trace.events.iter().enumerate() {
-        match e.action {
-            Action::SegmentAlloc | Action::SegmentMap => cur += e.size,
-            Action::SegmentFree | Action::SegmentUnmap => cur = cur.saturating_sub(e.size),
-            _ => {}
-        }
-        best = best.max(cur);
-        if (i + 1) % stretch == 0 || i + 1 == trace.events.len() {
-            out.push(best);
-            best = 0;
-        }
-    }
-    out
 }
 
 pub(crate) fn gib(b: u64) -> String {

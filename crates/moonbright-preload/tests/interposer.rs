@@ -185,7 +185,7 @@ fn cuda_malloc_never_takes_memory_pending_on_the_null_stream() {
 /// its bytes until freed.
 #[test]
 fn a_long_churn_keeps_every_allocations_bytes() {
-    use moonbright::scenario::{stamp, verify};
+    use moonbright_testkit::scenario::{stamp, verify};
     fn opts() -> Result<Options, String> {
         Ok(Options { background: true, ..Options::host(512 * MIB as u64, 2 * MIB) })
     }

@@ -11,7 +11,7 @@
 //! Unknown keys and bad values are refused with [`Error::InvalidOption`], naming the key and what
 //! is allowed. The resulting options are checked with [`Options::check`].
 
-use crate::config::{valid_chunk_size, BackendKind, Options};
+use crate::config::{BackendKind, Options};
 use crate::error::{Error, Result};
 
 /// The environment variable read by the Python package.
@@ -117,7 +117,31 @@ fn parse_bool(text: &str) -> Option<bool> {
     }
 }
 
-/// Sets one option on `opts` from its key and textual value. Does not run [`Options::check`].
+/// The option each key sets, as [`Options::check_value`] names it, for the keys whose value has
+/// a rule of its own there.
+fn checked_field(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "cap" => "cap",
+        "cap_fraction" => "cap_fraction",
+        "host_page_size" => "host_page_size",
+        "max_chunk" => "max_chunk_bytes",
+        "max_chunk_repeated" => "max_chunk_repeated_bytes",
+        "large_chunk" => "large_chunk_bytes",
+        "largest_chunk" => "largest_chunk_bytes",
+        "unmap_batch" => "unmap_batch_ranges",
+        "unmap_batch_bytes" => "unmap_batch_bytes",
+        "window_refill_pages" => "window_refill_pages",
+        "near_fit" => "near_fit",
+        "carve" => "carve",
+        "carve_repeated" => "carve_repeated",
+        "grow_first" => "grow_first",
+        _ => return None,
+    })
+}
+
+/// Sets one option on `opts` from its key and textual value: the value must parse, and pass
+/// its option's own rule ([`Options::check_value`]); the rules between options are left to
+/// [`Options::check`]. On an error `opts` is unchanged.
 pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
     let key = key.trim();
     let Some(name) = known_key(key) else {
@@ -128,21 +152,22 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
         });
     };
     let v = value.trim();
+    let mut next = opts.clone();
+    set(&mut next, name, v)?;
+    if let Some(field) = checked_field(name) {
+        next.check_value(field).map_err(|_| bad(name, v))?;
+    }
+    *opts = next;
+    Ok(())
+}
+
+/// Parses `v` for the key `name` and sets its option.
+fn set(opts: &mut Options, name: &'static str, v: &str) -> Result<()> {
     let bytes = || parse_bytes(v).ok_or_else(|| bad(name, v));
-    // A size that must not be 0.
-    let some_bytes = || bytes().and_then(|b| (b > 0).then_some(b).ok_or_else(|| bad(name, v)));
-    // A chunk size (`config::valid_chunk_size`).
-    let chunk =
-        || bytes().and_then(|b| valid_chunk_size(b).then_some(b).ok_or_else(|| bad(name, v)));
+    let number = || v.parse::<f64>().map_err(|_| bad(name, v));
+    let flag = || parse_bool(v).ok_or_else(|| bad(name, v));
     // A count that must not be 0.
     let count = || v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| bad(name, v));
-    // A fraction in [0, 1].
-    // A number in [0, `max`].
-    let up_to = |max: f64| {
-        let f = v.parse::<f64>().map_err(|_| bad(name, v))?;
-        (0.0..=max).contains(&f).then_some(f).ok_or_else(|| bad(name, v))
-    };
-    let fraction = || up_to(1.0);
     match name {
         "backend" => {
             opts.backend = match v.to_ascii_lowercase().as_str() {
@@ -153,58 +178,45 @@ pub fn apply(opts: &mut Options, key: &str, value: &str) -> Result<()> {
             }
         }
         "device" => opts.device = v.parse::<u16>().map_err(|_| bad(name, v))? as i32,
-        "cap" => opts.cap_bytes = Some(some_bytes()?),
-        "cap_fraction" => {
-            let f: f64 = v.parse().map_err(|_| bad(name, v))?;
-            if !(f > 0.0 && f <= 1.0) {
-                return Err(bad(name, v));
-            }
-            opts.cap_fraction = f;
-        }
+        "cap" => opts.cap_bytes = Some(bytes()?),
+        "cap_fraction" => opts.cap_fraction = number()?,
         "host_page_size" => {
-            let b = bytes()?;
-            if !b.is_power_of_two() || !(4096..=1 << 30).contains(&b) {
+            opts.host_page_size = usize::try_from(bytes()?).map_err(|_| bad(name, v))?;
+        }
+        "host_capacity" => {
+            // At least a page, which `Options::check` asks once the page is known.
+            opts.host_capacity = bytes()?;
+            if opts.host_capacity == 0 {
                 return Err(bad(name, v));
             }
-            opts.host_page_size = b as usize;
         }
-        "host_capacity" => opts.host_capacity = some_bytes()?,
-        "max_chunk" => opts.max_chunk_bytes = chunk()?,
-        "max_chunk_repeated" => {
-            opts.max_chunk_repeated_bytes = match bytes()? {
-                0 => 0,
-                _ => chunk()?,
-            }
-        }
-        "large_chunk" => opts.large_chunk_bytes = chunk()?,
-        "largest_chunk" => opts.largest_chunk_bytes = chunk()?,
+        "max_chunk" => opts.max_chunk_bytes = bytes()?,
+        "max_chunk_repeated" => opts.max_chunk_repeated_bytes = bytes()?,
+        "large_chunk" => opts.large_chunk_bytes = bytes()?,
+        "largest_chunk" => opts.largest_chunk_bytes = bytes()?,
         "unmap_batch" => {
             opts.unmap_batch_ranges = usize::try_from(count()?).map_err(|_| bad(name, v))?;
         }
         "unmap_run_handles" => {
             opts.unmap_run_handles = v.parse().map_err(|_| bad(name, v))?;
         }
-        "unmap_batch_bytes" => opts.unmap_batch_bytes = some_bytes()?,
+        "unmap_batch_bytes" => opts.unmap_batch_bytes = bytes()?,
         "unmap_batch_age_us" => opts.unmap_batch_age_us = v.parse().map_err(|_| bad(name, v))?,
-        "background" => opts.background = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "background" => opts.background = flag()?,
         "prefetch_window_min" => opts.prefetch_window_min = bytes()?,
         "prefetch_window_max" => opts.prefetch_window_max = bytes()?,
         "window_refill_pages" => opts.window_refill_pages = count()?,
-        "reuse_addresses" => opts.reuse_addresses = parse_bool(v).ok_or_else(|| bad(name, v))?,
-        "near_fit" => opts.near_fit = fraction()?,
-        "carve" => opts.carve = fraction()?,
-        "carve_repeated" => opts.carve_repeated = fraction()?,
-        "grow_first" => opts.grow_first = up_to(10.0)?,
+        "reuse_addresses" => opts.reuse_addresses = flag()?,
+        "near_fit" => opts.near_fit = number()?,
+        "carve" => opts.carve = number()?,
+        "carve_repeated" => opts.carve_repeated = number()?,
+        "grow_first" => opts.grow_first = number()?,
         "profile" => v.parse::<crate::config::Profile>()?.apply(opts),
-        "peer_access" => opts.peer_access = parse_bool(v).ok_or_else(|| bad(name, v))?,
-        "ipc" => opts.ipc = parse_bool(v).ok_or_else(|| bad(name, v))?,
-        "captures_announced" => {
-            opts.captures_announced = parse_bool(v).ok_or_else(|| bad(name, v))?;
-        }
-        "deferred_free_events" => {
-            opts.deferred_free_events = parse_bool(v).ok_or_else(|| bad(name, v))?;
-        }
-        "validate" => opts.validate = parse_bool(v).ok_or_else(|| bad(name, v))?,
+        "peer_access" => opts.peer_access = flag()?,
+        "ipc" => opts.ipc = flag()?,
+        "captures_announced" => opts.captures_announced = flag()?,
+        "deferred_free_events" => opts.deferred_free_events = flag()?,
+        "validate" => opts.validate = flag()?,
         _ => unreachable!("every key in KEYS is handled"),
     }
     Ok(())

@@ -311,66 +311,30 @@ impl Options {
     /// Checks every option; the error names the first bad one and what is allowed.
     pub fn check(&self) -> Result<()> {
         let bad = |name, reason: String| Err(Error::InvalidOption { name, reason });
-        if self.device < 0 {
-            return bad("device", format!("{} is negative", self.device));
-        }
-        if let Some(cap) = self.cap_bytes {
-            if cap == 0 {
-                return bad("cap", "must be greater than 0 bytes".into());
-            }
-        }
-        if !(self.cap_fraction > 0.0 && self.cap_fraction <= 1.0) {
-            return bad("cap_fraction", format!("{} is not in (0, 1]", self.cap_fraction));
+        for name in ["device", "cap", "cap_fraction", "host_page_size"] {
+            self.check_value(name)?;
         }
         let page = self.host_page_size;
-        if !page.is_power_of_two() || page < 4096 || page as u64 > GIB {
-            return bad(
-                "host_page_size",
-                format!("{page} is not a power of two between 4096 and 1 GiB"),
-            );
-        }
         if self.host_capacity < page as u64 {
             return bad(
                 "host_capacity",
                 format!("{} bytes is less than one page ({page})", self.host_capacity),
             );
         }
-        for (name, b) in [
-            ("max_chunk_bytes", self.max_chunk_bytes),
-            ("large_chunk_bytes", self.large_chunk_bytes),
-            ("largest_chunk_bytes", self.largest_chunk_bytes),
+        for name in [
+            "max_chunk_bytes",
+            "large_chunk_bytes",
+            "largest_chunk_bytes",
+            "max_chunk_repeated_bytes",
+            "near_fit",
+            "carve",
+            "carve_repeated",
+            "grow_first",
+            "unmap_batch_ranges",
+            "unmap_batch_bytes",
+            "window_refill_pages",
         ] {
-            if !valid_chunk_size(b) {
-                return bad(name, format!("{b} is not a power of two of at most 64 GiB"));
-            }
-        }
-        let b = self.max_chunk_repeated_bytes;
-        if b != 0 && !valid_chunk_size(b) {
-            return bad(
-                "max_chunk_repeated_bytes",
-                format!("{b} is neither 0 nor a power of two of at most 64 GiB"),
-            );
-        }
-        if !(0.0..=1.0).contains(&self.near_fit) {
-            return bad("near_fit", format!("{} is not in [0, 1]", self.near_fit));
-        }
-        if !(0.0..=1.0).contains(&self.carve) {
-            return bad("carve", format!("{} is not in [0, 1]", self.carve));
-        }
-        if !(0.0..=1.0).contains(&self.carve_repeated) {
-            return bad("carve_repeated", format!("{} is not in [0, 1]", self.carve_repeated));
-        }
-        if !(0.0..=10.0).contains(&self.grow_first) {
-            return bad("grow_first", format!("{} is not in [0, 10]", self.grow_first));
-        }
-        if self.unmap_batch_ranges == 0 {
-            return bad("unmap_batch_ranges", "must be at least 1".into());
-        }
-        if self.unmap_batch_bytes == 0 {
-            return bad("unmap_batch_bytes", "must be at least 1".into());
-        }
-        if self.window_refill_pages == 0 {
-            return bad("window_refill_pages", "must be at least 1".into());
+            self.check_value(name)?;
         }
         if self.prefetch_window_min > self.prefetch_window_max {
             return bad(
@@ -381,12 +345,7 @@ impl Options {
                 ),
             );
         }
-        if !(1..=64).contains(&self.va_reserve_factor) {
-            return bad(
-                "va_reserve_factor",
-                format!("{} is not in 1..=64", self.va_reserve_factor),
-            );
-        }
+        self.check_value("va_reserve_factor")?;
         if self.va_limit_factor < self.va_reserve_factor || self.va_limit_factor > 256 {
             return bad(
                 "va_limit_factor",
@@ -397,6 +356,63 @@ impl Options {
             );
         }
         Ok(())
+    }
+
+    /// Checks the option `name` (as [`Error::InvalidOption`] names it) on its own, whatever the
+    /// others hold: the one copy of each value's rule, which [`check`](Self::check) and the
+    /// `MOONBRIGHT_ALLOC_CONF` parser (`conf.rs`, as each key is set) both apply. Rules between
+    /// options (a capacity of at least a page, a window's min under its max) are `check`'s.
+    pub(crate) fn check_value(&self, name: &'static str) -> Result<()> {
+        let problem = match name {
+            "device" => (self.device < 0).then(|| format!("{} is negative", self.device)),
+            "cap" => (self.cap_bytes == Some(0)).then(|| "must be greater than 0 bytes".into()),
+            "cap_fraction" => (!(self.cap_fraction > 0.0 && self.cap_fraction <= 1.0))
+                .then(|| format!("{} is not in (0, 1]", self.cap_fraction)),
+            "host_page_size" => {
+                let page = self.host_page_size;
+                (!page.is_power_of_two() || page < 4096 || page as u64 > GIB)
+                    .then(|| format!("{page} is not a power of two between 4096 and 1 GiB"))
+            }
+            "max_chunk_bytes" | "large_chunk_bytes" | "largest_chunk_bytes" => {
+                let b = match name {
+                    "max_chunk_bytes" => self.max_chunk_bytes,
+                    "large_chunk_bytes" => self.large_chunk_bytes,
+                    _ => self.largest_chunk_bytes,
+                };
+                (!valid_chunk_size(b))
+                    .then(|| format!("{b} is not a power of two of at most 64 GiB"))
+            }
+            "max_chunk_repeated_bytes" => {
+                let b = self.max_chunk_repeated_bytes;
+                (b != 0 && !valid_chunk_size(b))
+                    .then(|| format!("{b} is neither 0 nor a power of two of at most 64 GiB"))
+            }
+            "near_fit" | "carve" | "carve_repeated" | "grow_first" => {
+                let (v, max) = match name {
+                    "near_fit" => (self.near_fit, 1.0),
+                    "carve" => (self.carve, 1.0),
+                    "carve_repeated" => (self.carve_repeated, 1.0),
+                    _ => (self.grow_first, 10.0),
+                };
+                (!(0.0..=max).contains(&v)).then(|| format!("{v} is not in [0, {max}]"))
+            }
+            "unmap_batch_ranges" => {
+                (self.unmap_batch_ranges == 0).then(|| "must be at least 1".into())
+            }
+            "unmap_batch_bytes" => {
+                (self.unmap_batch_bytes == 0).then(|| "must be at least 1".into())
+            }
+            "window_refill_pages" => {
+                (self.window_refill_pages == 0).then(|| "must be at least 1".into())
+            }
+            "va_reserve_factor" => (!(1..=64).contains(&self.va_reserve_factor))
+                .then(|| format!("{} is not in 1..=64", self.va_reserve_factor)),
+            _ => None,
+        };
+        match problem {
+            Some(reason) => Err(Error::InvalidOption { name, reason }),
+            None => Ok(()),
+        }
     }
 }
 

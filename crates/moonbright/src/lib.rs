@@ -14,7 +14,6 @@
 //! ```
 
 mod allocator;
-pub mod baseline;
 pub mod conf;
 pub mod config;
 pub mod core;
@@ -25,12 +24,10 @@ pub mod ipc;
 pub mod libs;
 pub mod nvrtc;
 pub mod paged;
-pub mod scenario;
 mod stream;
 pub(crate) mod sync;
 #[doc(hidden)]
 pub mod testing;
-pub mod trace;
 
 pub use allocator::{Allocator, GrowableInfo};
 pub use config::{BackendKind, Options, Profile};

@@ -10,8 +10,8 @@
 use std::collections::HashMap;
 
 use moonbright::driver::prelude::*;
-use moonbright::trace::{Action, Trace};
 use moonbright::{Allocator, Options, StreamHandle};
+use moonbright_trace::{Action, Trace};
 
 /// Each layer's cache: keys and values (96,256 bytes each) and its 8-byte length, allocated in
 /// that order by `StaticLayer.lazy_initialization`.

@@ -2,9 +2,9 @@
 //! when a GPU is present (otherwise each CUDA case skips through `moonbright::testing`: counted,
 //! or a failure under `MOONBRIGHT_REQUIRE_GPU=1`).
 
-use moonbright::baseline::NoRemapAllocator;
-use moonbright::scenario::{fragmentation, stamp, verify};
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options};
+use moonbright_testkit::baseline::NoRemapAllocator;
+use moonbright_testkit::scenario::{fragmentation, stamp, verify};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

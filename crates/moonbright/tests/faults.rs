@@ -4,8 +4,8 @@
 
 use moonbright::driver::code;
 use moonbright::driver::prelude::*;
-use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options};
+use moonbright_testkit::scenario::{stamp, verify};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

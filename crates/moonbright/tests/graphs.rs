@@ -9,8 +9,8 @@
 
 use moonbright::driver::host::HostDriver;
 use moonbright::driver::prelude::*;
-use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options, StreamHandle};
+use moonbright_testkit::scenario::{stamp, verify};
 
 const PAGE: usize = 64 << 10;
 const POOL: (u64, u64) = (0, 1);

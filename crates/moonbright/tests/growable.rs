@@ -5,8 +5,8 @@
 //! the same cases when a GPU is present.
 
 use moonbright::driver::{code, prelude::*};
-use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options, StreamHandle};
+use moonbright_testkit::scenario::{stamp, verify};
 
 const PAGE: usize = 64 << 10;
 

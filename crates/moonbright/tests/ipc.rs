@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 
 use moonbright::{Allocator, CallKind, Error, Export, Options};
+use moonbright_testkit::stats::median;
 
 const PAGE: usize = 64 << 10;
 
@@ -506,10 +507,6 @@ fn a_peer_enabled_after_an_import_reaches_it_and_a_failed_grant_adds_no_peer() {
 #[ignore = "a measurement, not a check"]
 fn measure_export_costs() {
     let _one = one_at_a_time();
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let us = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e6;
     let reps = 2000;
     let a = host(64);
@@ -530,10 +527,10 @@ fn measure_export_costs() {
         a.free(own).unwrap();
         a.flush().unwrap();
     }
-    println!("export of a 4 KiB block that shares its page: refused {:.2} µs", median(refuse));
+    println!("export of a 4 KiB block that shares its page: refused {:.2} µs", median(&refuse));
     println!(
         "  a copy into a page of its own, exported (the least a move costs): {:.2} µs",
-        median(moved)
+        median(&moved)
     );
     let (mut cached, mut released) = (Vec::new(), Vec::new());
     for _ in 0..reps {
@@ -551,8 +548,8 @@ fn measure_export_costs() {
     }
     println!(
         "free + flush of 2 pages: cached {:.2} µs, exported (unmapped, released) {:.2} µs",
-        median(cached),
-        median(released)
+        median(&cached),
+        median(&released)
     );
     for p in blocks {
         a.free(p).unwrap();

@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use moonbright::scenario::{stamp, verify};
 use moonbright::{Allocator, CallKind, Error, Options, StreamHandle};
+use moonbright_testkit::scenario::{stamp, verify};
 
 const PAGE: usize = 64 << 10;
 

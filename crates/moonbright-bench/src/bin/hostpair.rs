@@ -19,6 +19,7 @@ use std::time::Instant;
 use clap::Parser;
 use moonbright::driver::{prelude::*, CallTimes};
 use moonbright::{Allocator, Options};
+use moonbright_bench::stats::median;
 use moonbright_bench::{human, main_wrapper, Res, MIB};
 
 #[derive(Parser, Debug)]
@@ -107,11 +108,7 @@ fn cold_ns(size: usize, beside_live: bool, args: &Args) -> Res<(f64, f64)> {
         a.free(p).map_err(|e| e.to_string())?;
     }
     a.driver().destroy_stream(s).map_err(|e| e.to_string())?;
-    let p50 = |v: &mut Vec<u64>| {
-        v.sort_unstable();
-        v[v.len() / 2] as f64
-    };
-    Ok((p50(&mut whole), p50(&mut own)))
+    Ok((median(&whole) as f64, median(&own) as f64))
 }
 
 /// How the cached ranges of `--miss` lie: each pattern repeats, `c` a cached range and `L` a
@@ -178,8 +175,7 @@ fn miss_ns(layout: &Layout, ranges: usize, empty: bool) -> Res<f64> {
     for p in live {
         a.free(p).map_err(e)?;
     }
-    own.sort_unstable();
-    Ok(own[own.len() / 2] as f64)
+    Ok(median(&own) as f64)
 }
 
 fn main() -> ExitCode {

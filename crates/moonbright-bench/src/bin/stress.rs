@@ -10,12 +10,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use moonbright::baseline::NoRemapAllocator;
 use moonbright::Allocator;
 use moonbright_bench::cu::{Gpu, Stream};
 use moonbright_bench::stats::{us_since, Summary};
 use moonbright_bench::workload::{stress_ops, to_csv, Op, StressSpec};
 use moonbright_bench::{main_wrapper, mb_options, mb_options_from, Res, GIB, MIB};
+use moonbright_testkit::baseline::NoRemapAllocator;
 use serde::Serialize;
 
 #[derive(Parser, Debug)]

@@ -10,8 +10,6 @@
 
 mod delta;
 mod device;
-#[cfg(test)]
-mod host_bench;
 mod ids;
 pub mod reference;
 mod rows;
@@ -715,6 +713,30 @@ impl<'a> PagedPool<'a> {
         self.refuse_capture()?;
         self.decode_tokens()?;
         self.commit(true)
+    }
+
+    /// [`decode_step`](Self::decode_step) in three stages that a benchmark of the host side
+    /// (`moonbright-bench`'s `paged_host`) times apart: the decode tokens, then
+    /// [`bench_close_step`](Self::bench_close_step) (the delta), then
+    /// [`bench_apply_delta`](Self::bench_apply_delta) (its shipping). Until the last, the
+    /// tables lag the metadata. Not for other uses.
+    #[doc(hidden)]
+    pub fn bench_decode_tokens(&mut self) -> PagedResult<()> {
+        self.check_usable()?;
+        self.decode_tokens()
+    }
+
+    /// The second stage of [`bench_decode_tokens`](Self::bench_decode_tokens).
+    #[doc(hidden)]
+    pub fn bench_close_step(&mut self) -> &Delta {
+        self.close_step(true);
+        &self.delta
+    }
+
+    /// The third stage of [`bench_decode_tokens`](Self::bench_decode_tokens).
+    #[doc(hidden)]
+    pub fn bench_apply_delta(&mut self) -> PagedResult<()> {
+        self.apply_delta()
     }
 
     /// The host side of [`decode_step`](Self::decode_step) before its commit: validates, then

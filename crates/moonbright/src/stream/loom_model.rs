@@ -11,8 +11,8 @@ use loom::thread;
 
 use crate::allocator::Allocator;
 use crate::config::Options;
-use crate::driver::{prelude::*, StreamHandle};
-use crate::scenario::{stamp, verify};
+use crate::driver::{prelude::*, DevicePtr, StreamHandle};
+use crate::error::Result;
 
 use super::worker::Worker;
 
@@ -57,6 +57,28 @@ fn worker_passes(a: &Arc<Allocator>, passes: usize) -> thread::JoinHandle<()> {
     })
 }
 
+/// Fills an allocation's first and last 4 KiB with a byte of `id`'s own, so that allocations
+/// sharing bytes show (the whole of it would cost every interleaving a large copy).
+fn stamp(a: &Allocator, p: DevicePtr, len: usize, id: u64) -> Result<()> {
+    let edge = len.min(4096);
+    a.write(p, &vec![fill(id); edge])?;
+    a.write(p + (len - edge) as u64, &vec![fill(id); edge])
+}
+
+/// Whether the allocation still holds what `stamp` wrote.
+fn verify(a: &Allocator, p: DevicePtr, len: usize, id: u64) -> Result<bool> {
+    let edge = len.min(4096);
+    let (mut head, mut tail) = (vec![0; edge], vec![0; edge]);
+    a.read(p, &mut head)?;
+    a.read(p + (len - edge) as u64, &mut tail)?;
+    Ok(head.iter().chain(&tail).all(|&b| b == fill(id)))
+}
+
+/// `id`'s byte: distinct for the models' few ids, and never 0 (the bytes of fresh memory).
+fn fill(id: u64) -> u8 {
+    (id % 255) as u8 + 1
+}
+
 /// A request on its own thread: allocates `len` bytes (on `stream`, or unordered), stamps
 /// them with `id`, checks the stamp, and returns the pointer.
 fn request(
@@ -72,8 +94,8 @@ fn request(
             None => a.malloc(len),
         }
         .unwrap_or_else(|e| panic!("request {id} of {len} bytes failed: {e}"));
-        stamp(&*a, p, len, id).unwrap();
-        assert!(verify(&*a, p, len, id).unwrap(), "request {id}'s bytes changed at once");
+        stamp(&a, p, len, id).unwrap();
+        assert!(verify(&a, p, len, id).unwrap(), "request {id}'s bytes changed at once");
         p
     })
 }
@@ -176,7 +198,7 @@ fn a_stream_free_feeds_another_stream_with_the_worker_running() {
         let (s1, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
         let x = a.malloc_async(2 * PAGE, s1).unwrap();
         let y = a.malloc_async(2 * PAGE, s2).unwrap();
-        stamp(&*a, y, 2 * PAGE, 9).unwrap();
+        stamp(&a, y, 2 * PAGE, 9).unwrap();
         let f = {
             let a = a.clone();
             thread::spawn(move || a.free_async(x, s1).unwrap())
@@ -212,7 +234,7 @@ fn a_growable_grows_beside_a_racing_request() {
         grow.join().unwrap();
         let p = t.join().unwrap();
         assert_eq!(a.growable_info(g).unwrap().committed, 3 * PAGE as u64);
-        stamp(&*a, g, 3 * PAGE, 2).unwrap();
+        stamp(&a, g, 3 * PAGE, 2).unwrap();
         finish(&a, &[(p, PAGE, 1), (g, 3 * PAGE, 2)]);
     });
 }
@@ -230,7 +252,7 @@ fn window_refill_race(pages: usize) {
         let p = t.join().unwrap();
         let rest = 4 - pages;
         let q = a.malloc(rest * PAGE).unwrap();
-        stamp(&*a, q, rest * PAGE, 2).unwrap();
+        stamp(&a, q, rest * PAGE, 2).unwrap();
         finish(&a, &[(p, pages * PAGE, 1), (q, rest * PAGE, 2)]);
     });
 }
@@ -277,7 +299,7 @@ fn a_growable_shrinks_and_grows_back_beside_another_stream() {
         let (s1, s2) = (a.driver().create_stream().unwrap(), a.driver().create_stream().unwrap());
         let g = a.reserve_growable(4 * PAGE).unwrap();
         a.resize(g, 3 * PAGE).unwrap();
-        stamp(&*a, g, PAGE, 7).unwrap();
+        stamp(&a, g, PAGE, 7).unwrap();
         let resizer = {
             let a = a.clone();
             thread::spawn(move || {
@@ -289,7 +311,7 @@ fn a_growable_shrinks_and_grows_back_beside_another_stream() {
         resizer.join().unwrap();
         let p = t.join().unwrap();
         let q = a.malloc(PAGE).unwrap();
-        stamp(&*a, q, PAGE, 2).unwrap();
+        stamp(&a, q, PAGE, 2).unwrap();
         assert_eq!(a.growable_info(g).unwrap().size, 2 * PAGE as u64);
         finish(&a, &[(g, PAGE, 7), (p, PAGE, 1), (q, PAGE, 2)]);
     });
@@ -317,7 +339,7 @@ fn one_allocation_freed_twice_at_once() {
             "{e:?}"
         );
         let p = a.malloc(2 * PAGE).unwrap();
-        stamp(&*a, p, 2 * PAGE, 1).unwrap();
+        stamp(&a, p, 2 * PAGE, 1).unwrap();
         finish(&a, &[(p, 2 * PAGE, 1)]);
     });
 }
@@ -339,7 +361,7 @@ fn one_growable_resized_from_two_threads() {
         r.join().unwrap();
         let size = a.growable_info(g).unwrap().size;
         assert!(size == 2 * PAGE as u64 || size == 3 * PAGE as u64, "size {size}");
-        stamp(&*a, g, size as usize, 3).unwrap();
+        stamp(&a, g, size as usize, 3).unwrap();
         finish(&a, &[(g, size as usize, 3)]);
     });
 }
@@ -383,7 +405,7 @@ fn flush_race(a: Arc<Allocator>) {
     a.free(p).unwrap();
     a.free(q).unwrap();
     let all = a.malloc(4 * PAGE).unwrap();
-    stamp(&*a, all, 4 * PAGE, 2).unwrap();
+    stamp(&a, all, 4 * PAGE, 2).unwrap();
     finish(&a, &[(all, 4 * PAGE, 2)]);
 }
 
@@ -397,7 +419,7 @@ fn a_split_waits_for_the_workers_unmap_batch_which_stops_early() {
         let a = allocator(8, 4);
         let c = a.malloc(4 * PAGE).unwrap();
         let g = a.malloc(PAGE).unwrap();
-        stamp(&*a, g, PAGE, 1).unwrap();
+        stamp(&a, g, PAGE, 1).unwrap();
         let k = a.malloc(PAGE).unwrap();
         a.free(c).unwrap();
         a.free(k).unwrap();
@@ -430,7 +452,7 @@ fn two_requests_and_a_window_refill() {
         w.join().unwrap();
         let (p1, p2) = (t1.join().unwrap(), t2.join().unwrap());
         let q = a.malloc(PAGE).unwrap();
-        stamp(&*a, q, PAGE, 3).unwrap();
+        stamp(&a, q, PAGE, 3).unwrap();
         finish(&a, &[(p1, PAGE, 1), (p2, 2 * PAGE, 2), (q, PAGE, 3)]);
     });
 }
@@ -456,7 +478,7 @@ fn a_stream_destroyed_right_after_its_free_beside_the_worker() {
         w.join().unwrap();
         // `finish` fails on the deferred error of a record on the destroyed stream.
         let p = a.malloc(2 * PAGE).unwrap();
-        stamp(&*a, p, 2 * PAGE, 1).unwrap();
+        stamp(&a, p, 2 * PAGE, 1).unwrap();
         finish(&a, &[(p, 2 * PAGE, 1)]);
     });
 }
@@ -502,7 +524,7 @@ fn a_free_joined_with_a_busy_stream_beside_the_worker() {
         let s0 = a.driver().create_stream().unwrap();
         let s1 = a.driver().create_stream().unwrap();
         let x = a.malloc_async(2 * PAGE, s0).unwrap();
-        stamp(&*a, x, 2 * PAGE, 1).unwrap();
+        stamp(&a, x, 2 * PAGE, 1).unwrap();
         a.record_stream(x, s1).unwrap();
         host().hold_stream(s1);
         let f = {
@@ -511,19 +533,19 @@ fn a_free_joined_with_a_busy_stream_beside_the_worker() {
                 a.free_async(x, s0).unwrap();
                 let p = a.malloc_async(2 * PAGE, s0).unwrap();
                 assert_ne!(p, x, "s0 reused memory that s1 may still use");
-                stamp(&*a, p, 2 * PAGE, 2).unwrap();
+                stamp(&a, p, 2 * PAGE, 2).unwrap();
                 p
             })
         };
         let w = worker_passes(&a, 1);
         let p = f.join().unwrap();
         w.join().unwrap();
-        assert!(verify(&*a, x, 2 * PAGE, 1).unwrap(), "the joined free's bytes were reused");
+        assert!(verify(&a, x, 2 * PAGE, 1).unwrap(), "the joined free's bytes were reused");
         host().release_stream(s1);
         a.poll();
         let q = a.malloc_async(2 * PAGE, s1).unwrap();
         assert_eq!(q, x, "the completed joined free was not reused as it is");
-        stamp(&*a, q, 2 * PAGE, 3).unwrap();
+        stamp(&a, q, 2 * PAGE, 3).unwrap();
         finish(&a, &[(p, 2 * PAGE, 2), (q, 2 * PAGE, 3)]);
     });
 }
@@ -575,8 +597,8 @@ fn a_pool_block_freed_while_its_pool_is_released() {
         a.begin_graph_capture(s, pool).unwrap();
         let kept = a.malloc_async(PAGE, s).unwrap();
         let live = a.malloc_async(2 * PAGE, s).unwrap();
-        stamp(&*a, kept, PAGE, 8).unwrap();
-        stamp(&*a, live, 2 * PAGE, 9).unwrap();
+        stamp(&a, kept, PAGE, 8).unwrap();
+        stamp(&a, live, 2 * PAGE, 9).unwrap();
         a.free_async(kept, s).unwrap();
         host.end_capture(s);
         a.end_graph_capture(s).unwrap();
@@ -588,7 +610,7 @@ fn a_pool_block_freed_while_its_pool_is_released() {
         let released = {
             let a = a.clone();
             thread::spawn(move || {
-                assert!(verify(&*a, kept, PAGE, 8).unwrap(), "the pool's free block was reused");
+                assert!(verify(&a, kept, PAGE, 8).unwrap(), "the pool's free block was reused");
                 a.release_graph_pool(pool).unwrap();
             })
         };
@@ -639,7 +661,7 @@ fn a_capture_announced_while_the_worker_records_a_deferred_event() {
         c.join().unwrap();
         w.join().unwrap();
         let p = a.malloc(2 * PAGE).unwrap();
-        stamp(&*a, p, 2 * PAGE, 1).unwrap();
+        stamp(&a, p, 2 * PAGE, 1).unwrap();
         finish(&a, &[(p, 2 * PAGE, 1)]);
     });
 }

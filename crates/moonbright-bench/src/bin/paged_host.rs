@@ -1,4 +1,4 @@
-//! A CPU micro-benchmark of the paged pool's host side (an ignored test): the workload of
+//! A CPU micro-benchmark of the paged pool's host side: the workload of
 //! `bench/paged_bench.py` (N live sequences, +1 token each per step, departures at 1/512 per
 //! sequence per step replaced by arrivals of 16..512-token prompts, pages of 16 tokens), timing
 //! the frees, the adds and the decode step's metadata and delta, but not the delta's
@@ -6,16 +6,21 @@
 //! GPU path does not pay). With `MB_PAGED_BACKEND=cuda` (on a GPU machine) the pool is on the
 //! CUDA backend and the delta's launch is timed too: what a step costs the host in all.
 //!
-//!     cargo test -p moonbright --release --lib paged_host_bench -- --ignored --nocapture
-//!     MB_PAGED_BACKEND=cuda target/release/deps/moonbright-* paged_host_bench --ignored --nocapture
+//! `MB_PAGED_SIZES` (`256,1024,4096,16384`) and `MB_PAGED_STEPS` (3000) set the sizes and the
+//! steps; `MB_PAGED_EVICT=<MiB>` sweeps that much other memory between steps.
+//!
+//!     cargo run --release -p moonbright-bench --bin paged_host
+//!     MB_PAGED_BACKEND=cuda carry/bin/paged_host
 
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{PagedConfig, PagedPool, SeqId};
-use crate::{Allocator, BackendKind, Options, StreamHandle};
+use moonbright::driver::prelude::*;
+use moonbright::paged::{PagedConfig, PagedPool, SeqId};
+use moonbright::{Allocator, BackendKind, Options, StreamHandle};
+use moonbright_bench::stats::median;
 
 const T: u32 = 16;
 const MAX_LEN: u32 = 4096;
@@ -56,14 +61,7 @@ fn workload(n: usize, steps: usize, seed: u64) -> (Vec<u32>, Events) {
     (init, events)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-#[test]
-#[ignore = "a benchmark: run with --ignored --nocapture, in release"]
-fn paged_host_bench() {
+fn main() {
     let sizes: Vec<usize> = std::env::var("MB_PAGED_SIZES")
         .unwrap_or_else(|_| "256,1024,4096,16384".into())
         .split(',')
@@ -88,12 +86,7 @@ fn paged_host_bench() {
             Options { cap_fraction: 1.0, ..Options::host(bytes, 64 << 10) }
         };
         let a = Allocator::new(opts).unwrap();
-        let stream = if cuda {
-            use crate::driver::prelude::*;
-            a.driver().create_stream().unwrap()
-        } else {
-            StreamHandle::DEFAULT
-        };
+        let stream = if cuda { a.driver().create_stream().unwrap() } else { StreamHandle::DEFAULT };
         let mut pool = PagedPool::new(&a, cfg, stream).unwrap();
         let (init, events) = workload(n, warmup + steps, 7);
         let mut live: Vec<SeqId> = Vec::new();
@@ -126,21 +119,20 @@ fn paged_host_bench() {
                 live.push(pool.add(p).unwrap());
             }
             let t1 = Instant::now();
-            pool.check_usable().unwrap();
-            pool.decode_tokens().unwrap();
+            pool.bench_decode_tokens().unwrap();
             let tm = Instant::now();
-            pool.close_step(true);
+            let step_ops = pool.bench_close_step().ops.len();
             let t2 = Instant::now();
             if cuda {
                 // The host backend's apply rewrites whole tables; only the launch is timed.
-                pool.apply_delta().unwrap();
+                pool.bench_apply_delta().unwrap();
             }
             let t3 = Instant::now();
             if k >= warmup {
                 close.push((t2 - tm).as_secs_f64() * 1e6);
                 launch.push((t3 - t2).as_secs_f64() * 1e6);
             }
-            ops += pool.delta.ops.len();
+            ops += step_ops;
             if k >= warmup {
                 free_add.push((t1 - t0).as_secs_f64() * 1e6);
                 decode.push((t2 - t1).as_secs_f64() * 1e6);
@@ -150,16 +142,16 @@ fn paged_host_bench() {
         pool.check_invariants().unwrap();
         if cuda {
             pool.synchronize().unwrap();
-            println!("N={n:6}: launch (cuda) us/step median {:6.2}", median(&mut launch));
+            println!("N={n:6}: launch (cuda) us/step median {:6.2}", median(&launch));
         }
         println!(
             "N={n:6}: host us/step median: total {:7.2}  free+add {:6.2}  decode+delta {:7.2} \
              (of which delta {:6.2}; {:.2} ns/seq; {:.0} table ops/step)",
-            median(&mut total),
-            median(&mut free_add),
-            median(&mut decode),
-            median(&mut close),
-            median(&mut decode.clone()) * 1e3 / n as f64,
+            median(&total),
+            median(&free_add),
+            median(&decode),
+            median(&close),
+            median(&decode) * 1e3 / n as f64,
             ops as f64 / events.len() as f64,
         );
     }

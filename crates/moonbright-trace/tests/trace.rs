@@ -2,8 +2,8 @@
 //! a trace records, and replay on the host backend.
 #![cfg(not(loom))]
 
-use moonbright::trace::{self, Action, Event, Format, ReplayOptions, Trace};
 use moonbright::{Allocator, Options};
+use moonbright_trace::{self as trace, Action, Event, Format, ReplayOptions, Trace};
 
 const MIB: u64 = 1 << 20;
 

@@ -1,10 +1,10 @@
 //! Workloads shared by the tests, the `moonbright` command and the benchmarks, written once over
 //! [`DeviceAllocator`] so MoonBright and the no-remap baseline run exactly the same steps.
 
-use crate::allocator::Allocator;
+use moonbright::driver::{prelude::*, DevicePtr};
+use moonbright::{Allocator, Error, Result};
+
 use crate::baseline::NoRemapAllocator;
-use crate::driver::{prelude::*, DevicePtr};
-use crate::error::{Error, Result};
 
 /// What a workload needs of an allocator.
 pub trait DeviceAllocator {

@@ -5,9 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use crate::config::Options;
-use crate::driver::{prelude::*, Backend, ChunkHandle, DevicePtr, DriverError, Instrumented};
-use crate::error::{Error, Result};
+use moonbright::driver::{prelude::*, ChunkHandle, DevicePtr, DriverError, Instrumented};
+use moonbright::{Backend, Error, Options, Result};
 
 /// Blocks are rounded to this many bytes, as PyTorch rounds to 512.
 const BLOCK_ROUND: u64 = 512;
