@@ -28,6 +28,8 @@ gpu_skip_count() { # "N Rust GPU tests skipped, not run: per binary", then each 
 cargo fmt --all -- --check
 # docs/results.md is generated from bench/results/: fail if it is stale or a folder breaks the format.
 python3 bench/results.py --check
+# No two modules of a crate import each other, directly or around a cycle.
+python3 scripts/check-modules.py --quiet
 cargo clippy --workspace --all-targets -- -D warnings
 # libnvrtc for the paged kernels' compile test (no GPU needed): PyPI's nvidia-cuda-nvrtc in
 # target/nvrtc, pinned to the CUDA 13.0 release the H200 machine's driver runs (a newer NVRTC

@@ -1,7 +1,7 @@
 /*
  * moonbright.h: the C API of MoonBright, a GPU memory allocator on the CUDA virtual-memory API.
  *
- * Generated from crates/moonbright-capi/src/lib.rs and src/paged.rs by cbindgen; do not edit by hand.
+ * Generated from crates/moonbright-capi/src/ by cbindgen; do not edit by hand.
  */
 
 #ifndef MOONBRIGHT_H
@@ -58,28 +58,7 @@
 #define MB_ERR_STREAM_CAPTURE 8
 
 /**
- * Memory could not be shared with, or taken from, another process (`mb_ipc_*`). (Codes 9 to 12
- * are the paged pool's, `MB_ERR_UNKNOWN_SEQUENCE` and after.)
- */
-#define MB_ERR_IPC 13
-
-/**
- * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
- */
-#define MB_BACKEND_AUTO 0
-
-/**
- * `mb_options.backend`: the CUDA driver.
- */
-#define MB_BACKEND_CUDA 1
-
-/**
- * `mb_options.backend`: the host backend, a CPU model of the CUDA virtual-memory API (for tests).
- */
-#define MB_BACKEND_HOST 2
-
-/**
- * An unknown sequence id (never handed out by this pool).
+ * The paged KV pool (`mb_paged_*`): an unknown sequence id (never handed out by this pool).
  */
 #define MB_ERR_UNKNOWN_SEQUENCE 9
 
@@ -99,6 +78,26 @@
  * this step before the commit).
  */
 #define MB_ERR_INVALID_REQUEST 12
+
+/**
+ * Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
+ */
+#define MB_ERR_IPC 13
+
+/**
+ * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
+ */
+#define MB_BACKEND_AUTO 0
+
+/**
+ * `mb_options.backend`: the CUDA driver.
+ */
+#define MB_BACKEND_CUDA 1
+
+/**
+ * `mb_options.backend`: the host backend, a CPU model of the CUDA virtual-memory API (for tests).
+ */
+#define MB_BACKEND_HOST 2
 
 /**
  * An allocator (opaque). Made by `mb_create`, destroyed by `mb_destroy`. Any number of threads

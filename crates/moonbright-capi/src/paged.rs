@@ -8,19 +8,11 @@ use std::ffi::{c_int, c_void};
 use moonbright::paged::{PagedConfig, PagedError, PagedPool, SeqId};
 use moonbright::StreamHandle;
 
-use crate::status::{allocator, call, status_of, write_out, Failure, MB_ERR_DRIVER};
+use crate::status::{
+    allocator, call, status_of, write_out, Failure, MB_ERR_CAPACITY, MB_ERR_DRIVER,
+    MB_ERR_FREED_SEQUENCE, MB_ERR_INVALID_REQUEST, MB_ERR_UNKNOWN_SEQUENCE,
+};
 use crate::types::mb_allocator;
-
-/// An unknown sequence id (never handed out by this pool).
-pub const MB_ERR_UNKNOWN_SEQUENCE: c_int = 9;
-/// A request on a freed sequence: a double free, a fork of a freed sequence, an extend of one.
-pub const MB_ERR_FREED_SEQUENCE: c_int = 10;
-/// A capacity would be exceeded: a sequence's length, the pool's pages, the block table's rows,
-/// or the step's slot mapping.
-pub const MB_ERR_CAPACITY: c_int = 11;
-/// A request that is invalid as asked (a truncation that lengthens, a fork of tokens added
-/// this step before the commit).
-pub const MB_ERR_INVALID_REQUEST: c_int = 12;
 
 /// A paged KV pool (opaque). Made by `mb_paged_create`, destroyed by `mb_paged_destroy`, which
 /// must come before `mb_destroy` of its allocator. One thread at a time may call it.

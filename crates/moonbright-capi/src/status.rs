@@ -8,9 +8,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use moonbright::{Allocator, Error};
 
-use crate::paged::{
-    MB_ERR_CAPACITY, MB_ERR_FREED_SEQUENCE, MB_ERR_INVALID_REQUEST, MB_ERR_UNKNOWN_SEQUENCE,
-};
 use crate::types::mb_allocator;
 
 /// Success.
@@ -33,8 +30,17 @@ pub const MB_ERR_NO_BACKEND: c_int = 6;
 pub const MB_ERR_INTERNAL: c_int = 7;
 /// A stream-ordered request on a stream being captured into a CUDA graph (refused).
 pub const MB_ERR_STREAM_CAPTURE: c_int = 8;
-/// Memory could not be shared with, or taken from, another process (`mb_ipc_*`). (Codes 9 to 12
-/// are the paged pool's, `MB_ERR_UNKNOWN_SEQUENCE` and after.)
+/// The paged KV pool (`mb_paged_*`): an unknown sequence id (never handed out by this pool).
+pub const MB_ERR_UNKNOWN_SEQUENCE: c_int = 9;
+/// A request on a freed sequence: a double free, a fork of a freed sequence, an extend of one.
+pub const MB_ERR_FREED_SEQUENCE: c_int = 10;
+/// A capacity would be exceeded: a sequence's length, the pool's pages, the block table's rows,
+/// or the step's slot mapping.
+pub const MB_ERR_CAPACITY: c_int = 11;
+/// A request that is invalid as asked (a truncation that lengthens, a fork of tokens added
+/// this step before the commit).
+pub const MB_ERR_INVALID_REQUEST: c_int = 12;
+/// Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
 pub const MB_ERR_IPC: c_int = 13;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.

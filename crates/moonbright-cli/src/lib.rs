@@ -13,9 +13,10 @@
 //!   and JSON beside PyTorch's recorded figures.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
+use moonbright_trace::Trace;
 
 mod bench;
 mod demo;
@@ -154,7 +155,7 @@ where
             demo::demo(&backend, cap_mib, block_mib).map_err(|e| e.to_string())
         }
         Command::Replay { trace, args, plot, json, limit, convert } => {
-            replay::command(&trace, &args, plot.as_deref(), json.as_deref(), limit, convert)
+            replay_command(&trace, &args, plot.as_deref(), json.as_deref(), limit, convert)
         }
         Command::BenchTraces { dir, args, out } => bench::command(&dir, &args, out),
     };
@@ -165,4 +166,35 @@ where
             ExitCode::FAILURE.0.into()
         }
     }
+}
+
+fn replay_command(
+    path: &Path,
+    args: &ReplayArgs,
+    plot: Option<&Path>,
+    json_out: Option<&Path>,
+    limit: Option<usize>,
+    convert: Option<PathBuf>,
+) -> Result<ExitCode, String> {
+    if let Some(out) = convert {
+        let mut trace = Trace::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if let Some(n) = limit {
+            trace.events.truncate(n);
+        }
+        trace.save(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        println!("wrote {} events to {}", trace.events.len(), out.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let o = replay::run(path, args, limit, if plot.is_some() { replay::PLOT_POINTS } else { 0 })?;
+    replay::print_summary(&o);
+    if let Some(p) = plot {
+        plot::draw(&o, p)?;
+        println!("plot: {}", p.display());
+    }
+    if let Some(j) = json_out {
+        let text = serde_json::to_string_pretty(&o.to_json()).map_err(|e| e.to_string())?;
+        std::fs::write(j, text + "\n").map_err(|e| format!("{}: {e}", j.display()))?;
+        println!("json: {}", j.display());
+    }
+    Ok(if o.failed_allocs() > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }

@@ -1,6 +1,5 @@
 //! `moonbright replay TRACE`: loads a trace, replays it through MoonBright and reports.
 
-use crate::ExitCode;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -16,7 +15,7 @@ use serde_json::{json, Value};
 use crate::{ReplayArgs, GIB, MIB};
 
 /// Points kept for a plot.
-const PLOT_POINTS: usize = 2000;
+pub(crate) const PLOT_POINTS: usize = 2000;
 /// Traces with fewer events than this replay without a progress bar.
 const PROGRESS_MIN_EVENTS: usize = 200_000;
 
@@ -509,35 +508,4 @@ fn calls_json(
             (k.key().to_string(), serde_json::json!({"calls": n, "us": ns as f64 / 1000.0}))
         })
         .collect()
-}
-
-pub(crate) fn command(
-    path: &Path,
-    args: &ReplayArgs,
-    plot: Option<&Path>,
-    json_out: Option<&Path>,
-    limit: Option<usize>,
-    convert: Option<PathBuf>,
-) -> Result<ExitCode, String> {
-    if let Some(out) = convert {
-        let mut trace = Trace::load(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        if let Some(n) = limit {
-            trace.events.truncate(n);
-        }
-        trace.save(&out).map_err(|e| format!("{}: {e}", out.display()))?;
-        println!("wrote {} events to {}", trace.events.len(), out.display());
-        return Ok(ExitCode::SUCCESS);
-    }
-    let o = run(path, args, limit, if plot.is_some() { PLOT_POINTS } else { 0 })?;
-    print_summary(&o);
-    if let Some(p) = plot {
-        crate::plot::draw(&o, p)?;
-        println!("plot: {}", p.display());
-    }
-    if let Some(j) = json_out {
-        let text = serde_json::to_string_pretty(&o.to_json()).map_err(|e| e.to_string())?;
-        std::fs::write(j, text + "\n").map_err(|e| format!("{}: {e}", j.display()))?;
-        println!("json: {}", j.display());
-    }
-    Ok(if o.failed_allocs() > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }

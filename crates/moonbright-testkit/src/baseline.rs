@@ -48,7 +48,7 @@ impl NoRemapAllocator {
     /// size, larger ones get a segment of their own (rounded to the page).
     pub fn new(options: &Options, segment_bytes: u64) -> Result<Self> {
         options.check()?;
-        let driver = Instrumented::new(Backend::open(options)?);
+        let driver = Instrumented::new(options.open_backend()?);
         let page = driver.granularity() as u64;
         let total = driver.mem_info()?.total;
         let cap = options.cap_bytes.unwrap_or((total as f64 * options.cap_fraction) as u64);

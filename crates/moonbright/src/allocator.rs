@@ -42,7 +42,7 @@ impl Allocator {
     /// created until the first request (or until the background mapper sees demand).
     pub fn new(options: Options) -> Result<Allocator> {
         options.check()?;
-        let backend = Backend::open(&options)?;
+        let backend = options.open_backend()?;
         Allocator::with_backend(backend, options)
     }
 

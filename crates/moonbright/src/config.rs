@@ -1,6 +1,9 @@
 //! Allocator options: what can be configured, the defaults, and validation that names the option
 //! and what is allowed.
 
+use crate::driver::cuda::CudaDriver;
+use crate::driver::host::{HostConfig, HostDriver};
+use crate::driver::{self, Backend, DriverError};
 use crate::error::{Error, Result};
 
 const MIB: u64 = 1 << 20;
@@ -289,6 +292,34 @@ pub(crate) fn valid_chunk_size(bytes: u64) -> bool {
 }
 
 impl Options {
+    /// Opens the backend these options ask for; `Auto` takes CUDA when a GPU is present.
+    pub fn open_backend(&self) -> Result<Backend> {
+        let options = self;
+        let host = || {
+            HostDriver::new(HostConfig {
+                page_size: options.host_page_size,
+                capacity: options.host_capacity,
+            })
+            .map(Backend::Host)
+            .map_err(Error::from)
+        };
+        let cuda = || {
+            let d = CudaDriver::new(options.device)?;
+            d.set_shareable(options.ipc);
+            Ok(Backend::Cuda(d))
+        };
+        match options.backend {
+            BackendKind::Host => host(),
+            BackendKind::Cuda => {
+                cuda().map_err(|e: DriverError| Error::NoBackend(format!("cuda backend: {e}")))
+            }
+            BackendKind::Auto => match driver::cuda::probe() {
+                Ok(_) => cuda().map_err(Error::from),
+                Err(_) => host(),
+            },
+        }
+    }
+
     /// These options with `profile`'s tuning (`Profile::apply`).
     pub fn with_profile(mut self, profile: Profile) -> Self {
         profile.apply(&mut self);

@@ -35,7 +35,7 @@ use std::time::Instant;
 use clap::Parser;
 use cudarc::driver::sys;
 use moonbright::driver::{prelude::*, CallCounts, CallKind, CallTimes, Instrumented};
-use moonbright::{Allocator, Backend, BackendKind, Options};
+use moonbright::{Allocator, BackendKind, Options};
 use moonbright_bench::cu::{
     copy_dtoh_u64, ctx_sync, mem_alloc, mem_free, memset_d32, Arg, Function, Gpu, Module, Stream,
 };
@@ -181,7 +181,7 @@ fn probe_pages(a: &Allocator, ptr: u64, pages: u64, page: u64, salt: u64) -> Res
 /// The driver layer alone: N one-page handles created, mapped back to back, access set once,
 /// unmapped in one call and released.
 fn raw(opts: &Options, pages: u64) -> Res<Vec<Phase>> {
-    let d = Instrumented::new(Backend::open(opts).map_err(|e| e.to_string())?);
+    let d = Instrumented::new(opts.open_backend().map_err(|e| e.to_string())?);
     let page = d.granularity() as u64;
     let len = (pages * page) as usize;
     let e = |e: moonbright::driver::DriverError| e.to_string();
