@@ -5,7 +5,7 @@
 use std::fmt;
 
 use crate::config::Options;
-use crate::core::heap::{Heap, Limits};
+use crate::core::heap::{ChunkLimits, Heap, Limits, PolicyShares, UnmapLimits};
 use crate::core::history::{HistoryEvent, SegmentInfo};
 use crate::core::stats::Stats;
 pub use crate::core::GrowableInfo;
@@ -74,22 +74,28 @@ impl Allocator {
         let lim = Limits {
             page,
             cap,
-            max_chunk_pages,
-            repeated_chunk_pages,
-            large_chunk_pages,
-            largest_chunk_pages,
+            chunks: ChunkLimits {
+                max_pages: max_chunk_pages,
+                repeated_pages: repeated_chunk_pages,
+                large_pages: large_chunk_pages,
+                largest_pages: largest_chunk_pages,
+            },
             reserve_bytes: total_pages * page * options.va_reserve_factor,
             va_limit: total_pages * page * options.va_limit_factor,
-            unmap_batch_ranges: options.unmap_batch_ranges,
-            unmap_batch_bytes: options.unmap_batch_bytes,
-            unmap_run_handles: options.unmap_run_handles,
-            unmap_batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
+            unmap: UnmapLimits {
+                batch_ranges: options.unmap_batch_ranges,
+                batch_bytes: options.unmap_batch_bytes,
+                run_handles: options.unmap_run_handles,
+                batch_age: std::time::Duration::from_micros(options.unmap_batch_age_us),
+            },
             window_slab_pages: (options.prefetch_window_max / page).max(512),
             reuse_addresses: options.reuse_addresses,
-            near_fit_per_1024: per_1024(options.near_fit),
-            carve_per_1024: per_1024(options.carve),
-            carve_repeated_per_1024: per_1024(options.carve_repeated),
-            grow_first_per_1024: per_1024(options.grow_first),
+            shares: PolicyShares {
+                near_fit_per_1024: per_1024(options.near_fit),
+                carve_per_1024: per_1024(options.carve),
+                carve_repeated_per_1024: per_1024(options.carve_repeated),
+                grow_first_per_1024: per_1024(options.grow_first),
+            },
             defer_free_events: options.deferred_free_events,
         };
         let background = options.background;

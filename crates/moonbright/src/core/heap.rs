@@ -117,48 +117,69 @@ pub(crate) struct Limits {
     pub page: u64,
     /// Cap on physical bytes held.
     pub cap: u64,
-    /// Largest chunk, in pages.
-    pub max_chunk_pages: u64,
-    /// Largest new chunk for a request whose exact size a recent request had too (at most
-    /// `max_chunk_pages`; `Options::max_chunk_repeated_bytes`).
-    pub repeated_chunk_pages: u64,
-    /// A new range that needs at least this many new pages creates them in large chunks (at
-    /// least `max_chunk_pages`).
-    pub large_chunk_pages: u64,
-    /// Largest of those (at least `large_chunk_pages`).
-    pub largest_chunk_pages: u64,
+    /// The sizes new chunks are made in.
+    pub chunks: ChunkLimits,
     /// Size of each virtual reservation.
     pub reserve_bytes: u64,
     /// Limit on all reservations together.
     pub va_limit: u64,
-    /// Retired ranges that trigger an unmap batch.
-    pub unmap_batch_ranges: usize,
-    /// Retired bytes that trigger an unmap batch.
-    pub unmap_batch_bytes: u64,
-    /// Most chunk mappings one unmap call covers (0: no limit).
-    pub unmap_run_handles: usize,
-    /// Retired ranges older than this are unmapped at the next chance.
-    pub unmap_batch_age: std::time::Duration,
+    /// When retired ranges are unmapped.
+    pub unmap: UnmapLimits,
     /// Pages of address space the window grows in at a time: at least the largest window, so
     /// the whole window can be one contiguous segment.
     pub window_slab_pages: u64,
     /// New ranges go to recycled addresses before the frontier (`Options::reuse_addresses`).
     pub reuse_addresses: bool,
-    /// A cached range up to this many 1024ths larger than a request serves it whole
+    /// The placement policies' allowances.
+    pub shares: PolicyShares,
+    /// A free on one stream records no event; the worker records one for the stream's latest
+    /// frees (`Options::deferred_free_events`).
+    pub defer_free_events: bool,
+}
+
+/// The sizes new chunks are made in, in pages.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkLimits {
+    /// Largest chunk.
+    pub max_pages: u64,
+    /// Largest new chunk for a request whose exact size a recent request had too (at most
+    /// `max_pages`; `Options::max_chunk_repeated_bytes`).
+    pub repeated_pages: u64,
+    /// A new range that needs at least this many new pages creates them in large chunks (at
+    /// least `max_pages`).
+    pub large_pages: u64,
+    /// Largest of those (at least `large_pages`).
+    pub largest_pages: u64,
+}
+
+/// When retired ranges are unmapped, in batches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct UnmapLimits {
+    /// Retired ranges that trigger a batch.
+    pub batch_ranges: usize,
+    /// Retired bytes that trigger a batch.
+    pub batch_bytes: u64,
+    /// Most chunk mappings one unmap call covers (0: no limit).
+    pub run_handles: usize,
+    /// Retired ranges older than this are unmapped at the next chance.
+    pub batch_age: std::time::Duration,
+}
+
+/// The placement policies' allowances, in 1024ths.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PolicyShares {
+    /// A cached range up to this much larger than a request serves it whole
     /// (`Options::near_fit`).
     pub near_fit_per_1024: u64,
-    /// Carved arenas may leave this many 1024ths of the peak bytes in use unused
-    /// (`Options::carve`; 0: no carving).
+    /// Carved arenas may leave this share of the peak bytes in use unused (`Options::carve`;
+    /// 0: no carving).
     pub carve_per_1024: u64,
     /// That budget for a request whose exact size a recent request had too, of the lesser of
     /// the peak and `CARVE_TAPER` times the headroom below it (`Options::carve_repeated`).
     pub carve_repeated_per_1024: u64,
-    /// New memory before stealing while held memory stays within this many 1,024ths above the
-    /// peak in use (`Options::grow_first`; 0: off).
+    /// New memory before stealing while held memory stays within this share above the peak in
+    /// use (`Options::grow_first`; 0: off).
     pub grow_first_per_1024: u64,
-    /// A free on one stream records no event; the worker records one for the stream's latest
-    /// frees (`Options::deferred_free_events`).
-    pub defer_free_events: bool,
 }
 
 /// What a request that missed every fast path needs next.
@@ -381,7 +402,7 @@ impl Heap {
     /// Whether a repeated size's new memory comes in smaller chunks
     /// (`Options::max_chunk_repeated_bytes`).
     fn cuts_repeated(&self) -> bool {
-        self.lim.repeated_chunk_pages < self.lim.max_chunk_pages
+        self.lim.chunks.repeated_pages < self.lim.chunks.max_pages
     }
 
     /// Whether requests' sizes are kept (`sizes`), for either use of them.

@@ -299,8 +299,8 @@ impl Heap {
     /// `largest` pages: `largest` itself if new memory of that size would be created as large
     /// chunks (`chunk_cap`) and one chunk can hold it; else 0, one-page chunks.
     pub fn whole_window_chunk(&self, largest: u64) -> u64 {
-        let large = self.lim.large_chunk_pages..=self.lim.largest_chunk_pages;
-        if self.lim.largest_chunk_pages > self.lim.max_chunk_pages && large.contains(&largest) {
+        let large = self.lim.chunks.large_pages..=self.lim.chunks.largest_pages;
+        if self.lim.chunks.largest_pages > self.lim.chunks.max_pages && large.contains(&largest) {
             largest
         } else {
             0

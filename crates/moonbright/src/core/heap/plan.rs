@@ -153,7 +153,7 @@ impl Heap {
         // other sizes reuse its memory with fewer pages to spare.
         let repeated = large && self.cuts_repeated() && self.notes.sizes.contains(requested);
         let cap = if grown {
-            left.min(self.lim.largest_chunk_pages)
+            left.min(self.lim.chunks.largest_pages)
         } else {
             self.chunk_cap(left, large, repeated)
         };
@@ -206,14 +206,15 @@ impl Heap {
     /// need below twice that then takes at most two handles, where a lone `cuMemCreate` takes
     /// one. Smaller needs, and growables (`large` false, they shrink by whole chunks), keep
     /// `max_chunk_pages` so that stitching keeps its freedom, and a smaller need of a size
-    /// asked for before (`repeated`) `repeated_chunk_pages`.
+    /// asked for before (`repeated`) `chunks.repeated_pages`.
     fn chunk_cap(&self, pages: u64, large: bool, repeated: bool) -> u64 {
-        if large && pages >= self.lim.large_chunk_pages {
-            (1u64 << pages.ilog2()).clamp(self.lim.large_chunk_pages, self.lim.largest_chunk_pages)
+        if large && pages >= self.lim.chunks.large_pages {
+            (1u64 << pages.ilog2())
+                .clamp(self.lim.chunks.large_pages, self.lim.chunks.largest_pages)
         } else if repeated {
-            self.lim.repeated_chunk_pages
+            self.lim.chunks.repeated_pages
         } else {
-            self.lim.max_chunk_pages
+            self.lim.chunks.max_pages
         }
     }
 

@@ -13,9 +13,9 @@ impl Heap {
     pub fn unmap_due(&self) -> bool {
         let n = self.va.retired_count();
         n > 0
-            && (n >= self.lim.unmap_batch_ranges
-                || self.va.retired_bytes() >= self.lim.unmap_batch_bytes
-                || self.va.retired_age() >= self.lim.unmap_batch_age)
+            && (n >= self.lim.unmap.batch_ranges
+                || self.va.retired_bytes() >= self.lim.unmap.batch_bytes
+                || self.va.retired_age() >= self.lim.unmap.batch_age)
     }
 
     /// The chunk to split when every bare chunk larger than `pages` is still mapped by retired
@@ -67,7 +67,7 @@ impl Heap {
     pub fn take_unmap_batch(&mut self, only: Option<ChunkId>) -> Vec<UnmapRun> {
         let streams = &self.streams;
         let ready = |r: &Retired| retired_ready(streams, r);
-        let max = self.lim.unmap_run_handles;
+        let max = self.lim.unmap.run_handles;
         let runs = match only.map(|c| (c, self.unmappable(c))) {
             Some((c, Unmappable::Now)) => {
                 self.stats.targeted_flushes += 1;

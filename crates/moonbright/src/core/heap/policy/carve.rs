@@ -86,13 +86,13 @@ impl Placement for NewCarving {
 impl Heap {
     /// Whether carving is on (`Options::carve`; 0 turns it off, repeated sizes included).
     pub(in crate::core::heap) fn carving(&self) -> bool {
-        self.lim.carve_per_1024 > 0
+        self.lim.shares.carve_per_1024 > 0
     }
 
     /// Whether requests' sizes are kept (`sizes`), for carving's budget for repeated sizes
     /// (none: every size carves under `carve_per_1024`).
     pub(in crate::core::heap) fn tells_repeated(&self) -> bool {
-        self.carving() && self.lim.carve_repeated_per_1024 > 0
+        self.carving() && self.lim.shares.carve_repeated_per_1024 > 0
     }
 
     /// A block of `pages` pages from a carved arena (`Options::carve`), by best fit over their
@@ -129,9 +129,9 @@ impl Heap {
         let now = self.stats.active_bytes.current + self.bytes(pages);
         let peak = self.stats.active_bytes.peak.max(now);
         let budget = if repeated {
-            peak.min(CARVE_TAPER * (peak - now)) / 1024 * self.lim.carve_repeated_per_1024
+            peak.min(CARVE_TAPER * (peak - now)) / 1024 * self.lim.shares.carve_repeated_per_1024
         } else {
-            peak / 1024 * self.lim.carve_per_1024
+            peak / 1024 * self.lim.shares.carve_per_1024
         };
         // With `grow_first`, whatever room its budget has left above held memory too.
         let room = self.grow_first_room(pages);

@@ -38,7 +38,7 @@ impl Heap {
     /// `grow_first_per_1024` 1,024ths above the peak in use (the request counted as in use),
     /// less held memory: in bytes.
     fn grow_first_room_bytes(&self, len: u64) -> u64 {
-        let per_1024 = self.lim.grow_first_per_1024;
+        let per_1024 = self.lim.shares.grow_first_per_1024;
         if per_1024 == 0 {
             return 0;
         }

@@ -20,7 +20,7 @@ impl Placement for NearFit {
     #[inline]
     fn serve(heap: &mut Heap, ask: &mut Ask) -> Option<Placed> {
         let pages = ask.pages;
-        let slack = pages * heap.lim.near_fit_per_1024 / 1024;
+        let slack = pages * heap.lim.shares.near_fit_per_1024 / 1024;
         let near = heap.cache.by_size.range((pages + 1, 0, 0)..(pages + slack + 1, 0, 0)).next();
         if let Some(&(_, _, seq)) = near {
             heap.stats.cache_hits += 1;
