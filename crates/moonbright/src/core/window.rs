@@ -77,7 +77,7 @@ pub(crate) type Taken<C> = (u64, u64, C);
 pub(crate) struct Window {
     page: u64,
     segments: VecDeque<Segment>,
-    /// Oldest first; a few at most (each is at least `large_chunk_pages`, within the window's
+    /// Oldest first; a few at most (each is at least `chunks.large_pages`, within the window's
     /// size).
     wholes: Vec<Whole>,
     /// Pages in segments and whole chunks together.

@@ -101,7 +101,7 @@ impl Heap {
     /// Plans `pages` pages of chunks mapped at `va` (fresh addresses, or a growable allocation's
     /// tail), claiming what it uses. If the plan cannot go ahead, `va` is recycled (a no-op for
     /// a growable's private addresses, which stay with it). `large`: new memory may come in
-    /// chunks up to `large_chunk_pages` (not for growables, which shrink by whole chunks).
+    /// chunks up to `chunks.large_pages` (not for growables, which shrink by whole chunks).
     pub(super) fn plan_at(
         &mut self,
         va: u64,
@@ -201,11 +201,11 @@ impl Heap {
     }
 
     /// The largest chunk to create `pages` new pages in. A need this large costs one handle per
-    /// chunk either way (set access and unmap cost per handle), so from `large_chunk_pages` up
-    /// it is the largest power of two the need holds (up to `largest_chunk_pages`): a large
+    /// chunk either way (set access and unmap cost per handle), so from `chunks.large_pages` up
+    /// it is the largest power of two the need holds (up to `chunks.largest_pages`): a large
     /// need below twice that then takes at most two handles, where a lone `cuMemCreate` takes
     /// one. Smaller needs, and growables (`large` false, they shrink by whole chunks), keep
-    /// `max_chunk_pages` so that stitching keeps its freedom, and a smaller need of a size
+    /// `chunks.max_pages` so that stitching keeps its freedom, and a smaller need of a size
     /// asked for before (`repeated`) `chunks.repeated_pages`.
     fn chunk_cap(&self, pages: u64, large: bool, repeated: bool) -> u64 {
         if large && pages >= self.lim.chunks.large_pages {

@@ -23,7 +23,7 @@ impl Heap {
     /// cached ranges for them (`Options::grow_first`): held memory, with them and what plans
     /// in flight create, stays within `grow_first_per_1024` 1,024ths above the peak in use
     /// (the request counted as in use), and under the cap. They come as one chunk (up to
-    /// `largest_chunk_pages`), one handle to map, as `cudaMalloc` makes a segment; a bare chunk
+    /// `chunks.largest_pages`), one handle to map, as `cudaMalloc` makes a segment; a bare chunk
     /// larger than they need is not split for them (a release and two creates).
     fn grows_first(&self, left: u64, len: u64) -> bool {
         self.headroom() >= left && self.grow_first_room_bytes(len) >= self.bytes(left)
