@@ -26,6 +26,7 @@ impl Backend {
             HostDriver::new(HostConfig {
                 page_size: options.host_page_size,
                 capacity: options.host_capacity,
+                costs: options.host_driver_costs,
             })
             .map(Backend::Host)
             .map_err(Error::from)
