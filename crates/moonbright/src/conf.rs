@@ -12,6 +12,7 @@
 //! is allowed. The resulting options are checked with [`Options::check`].
 
 use crate::config::{BackendKind, Options};
+use crate::driver::host::HostDriverCosts;
 use crate::error::{Error, Result};
 
 /// The environment variable read by the Python package.
@@ -29,6 +30,10 @@ pub const KEYS: &[(&str, &str)] = &[
     ("cap_fraction", "a fraction of device memory in (0, 1]"),
     ("host_page_size", "bytes: a power of two from 4KiB to 1GiB"),
     ("host_capacity", "bytes of simulated memory for the host backend"),
+    (
+        "host_driver_costs",
+        "none, cuda or device_tables: the driver costs the host backend charges each call (time only)",
+    ),
     ("max_chunk", "bytes: a power of two of at most 64GiB"),
     (
         "max_chunk_repeated",
@@ -183,6 +188,10 @@ fn set(opts: &mut Options, name: &'static str, v: &str) -> Result<()> {
         "host_page_size" => {
             opts.host_page_size = usize::try_from(bytes()?).map_err(|_| bad(name, v))?;
         }
+        "host_driver_costs" => {
+            opts.host_driver_costs =
+                HostDriverCosts::from_name(&v.to_ascii_lowercase()).ok_or_else(|| bad(name, v))?;
+        }
         "host_capacity" => {
             // At least a page, which `Options::check` asks once the page is known.
             opts.host_capacity = bytes()?;
@@ -297,9 +306,10 @@ mod tests {
             "backend:host, device:1, cap:12GiB, cap_fraction:0.5, host_page_size:64KiB, \
              host_capacity:1GB, max_chunk:8MiB, large_chunk:256MiB, largest_chunk:4GiB, \
              unmap_batch:7, \
-             unmap_batch_bytes:1MB, validate:true",
+             unmap_batch_bytes:1MB, host_driver_costs:device_tables, validate:true",
         )
         .unwrap();
+        assert_eq!(o.host_driver_costs, HostDriverCosts::DeviceTables);
         assert_eq!(o.backend, BackendKind::Host);
         assert_eq!(o.device, 1);
         assert_eq!(o.cap_bytes, Some(12 << 30));
@@ -373,6 +383,8 @@ mod tests {
             ("cap_fraction:1.5", "cap_fraction", "(0, 1]"),
             ("cap_fraction:nan", "cap_fraction", "(0, 1]"),
             ("host_page_size:3000", "host_page_size", "power of two"),
+            ("host_driver_costs:gpu", "host_driver_costs", "none, cuda or device_tables"),
+            ("host_driver_costs:", "host_driver_costs", "none, cuda or device_tables"),
             ("max_chunk:3MiB", "max_chunk", "power of two"),
             ("max_chunk_repeated:3MiB", "max_chunk_repeated", "power of two"),
             ("large_chunk:3MiB", "large_chunk", "power of two"),
@@ -408,6 +420,27 @@ mod tests {
         // Each value is fine alone; together the capacity is less than a page.
         let e = parse_conf("backend:host,host_page_size:1MiB,host_capacity:4KiB").unwrap_err();
         assert!(matches!(e, Error::InvalidOption { name: "host_capacity", .. }), "{e}");
+        // Modelled costs on a real GPU would add to its own.
+        let (name, reason) = err_of("backend:cuda,host_driver_costs:cuda");
+        assert_eq!(name, "host_driver_costs");
+        assert!(reason.contains("backend host"), "{reason}");
+    }
+
+    #[test]
+    fn host_driver_costs_name_each_model() {
+        assert_eq!(parse_conf("").unwrap().host_driver_costs, HostDriverCosts::None);
+        for costs in HostDriverCosts::ALL {
+            for backend in ["host", "auto"] {
+                let text = format!("backend:{backend},host_driver_costs:{}", costs.name());
+                assert_eq!(parse_conf(&text).unwrap().host_driver_costs, costs, "{text}");
+            }
+        }
+        let o = parse_conf("host_driver_costs: Device_Tables ").unwrap();
+        assert_eq!(o.host_driver_costs, HostDriverCosts::DeviceTables);
+        assert_eq!(
+            parse_conf("backend:cuda,host_driver_costs:none").unwrap().backend,
+            BackendKind::Cuda
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! and what is allowed.
 
 use crate::driver::cuda::CudaDriver;
-use crate::driver::host::{HostConfig, HostDriver};
+use crate::driver::host::{HostConfig, HostDriver, HostDriverCosts};
 use crate::driver::{self, Backend, DriverError};
 use crate::error::{Error, Result};
 
@@ -107,6 +107,10 @@ pub struct Options {
     pub host_page_size: usize,
     /// Host backend: bytes of simulated device memory.
     pub host_capacity: u64,
+    /// Host backend: the driver costs each virtual-memory call is charged, by spinning, so that
+    /// benchmarks see a GPU's times (`None`, the default, charges nothing). Time only: every
+    /// call does and returns the same under each. Needs a backend other than `Cuda`.
+    pub host_driver_costs: HostDriverCosts,
     /// Largest physical chunk in bytes (a power-of-two multiple of the page). Larger chunks cut
     /// set-access and unmap calls, which cost per handle; 2 MiB pages keep stitching free.
     pub max_chunk_bytes: u64,
@@ -257,6 +261,7 @@ impl Default for Options {
             cap_fraction: 0.95,
             host_page_size: 2 * MIB as usize,
             host_capacity: 64 * GIB,
+            host_driver_costs: HostDriverCosts::None,
             max_chunk_bytes: 64 * MIB,
             max_chunk_repeated_bytes: 0,
             large_chunk_bytes: 128 * MIB,
@@ -299,6 +304,7 @@ impl Options {
             HostDriver::new(HostConfig {
                 page_size: options.host_page_size,
                 capacity: options.host_capacity,
+                costs: options.host_driver_costs,
             })
             .map(Backend::Host)
             .map_err(Error::from)
@@ -344,6 +350,18 @@ impl Options {
         let bad = |name, reason: String| Err(Error::InvalidOption { name, reason });
         for name in ["device", "cap", "cap_fraction", "host_page_size"] {
             self.check_value(name)?;
+        }
+        // Costs model a GPU on the host backend; on CUDA they would add to the real ones. (Each
+        // value is valid alone: the type holds no other.)
+        if self.host_driver_costs != HostDriverCosts::None && self.backend == BackendKind::Cuda {
+            return bad(
+                "host_driver_costs",
+                format!(
+                    "{} models a GPU's costs on the host backend, and the cuda backend has its own; \
+                     use none, or backend host",
+                    self.host_driver_costs.name()
+                ),
+            );
         }
         let page = self.host_page_size;
         if self.host_capacity < page as u64 {
@@ -466,6 +484,14 @@ mod tests {
             ("host_page_size", Options { host_page_size: 3 << 20, ..Default::default() }),
             ("host_page_size", Options { host_page_size: 1024, ..Default::default() }),
             ("host_capacity", Options { host_capacity: 1, ..Default::default() }),
+            (
+                "host_driver_costs",
+                Options {
+                    backend: BackendKind::Cuda,
+                    host_driver_costs: HostDriverCosts::Cuda,
+                    ..Default::default()
+                },
+            ),
             ("max_chunk_bytes", Options { max_chunk_bytes: 3 << 20, ..Default::default() }),
             (
                 "max_chunk_repeated_bytes",

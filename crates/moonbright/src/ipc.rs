@@ -617,7 +617,11 @@ mod tests {
 
     #[test]
     fn an_export_of_another_backend_is_refused_before_any_driver_call() {
-        let cfg = crate::driver::host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let cfg = crate::driver::host::HostConfig {
+            page_size: 64 << 10,
+            capacity: 1 << 20,
+            ..Default::default()
+        };
         let d =
             crate::driver::Instrumented::new(crate::driver::host::HostDriver::new(cfg).unwrap());
         let imports = Imports::default();

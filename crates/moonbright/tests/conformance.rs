@@ -31,6 +31,15 @@ fn host_deferred_options() -> Options {
     Options { captures_announced: true, deferred_free_events: true, ..host_background_options() }
 }
 
+/// The host backend charging the modelled costs of device-written page tables (a launch a
+/// batch of maps, set access or unmaps), which must change nothing but time.
+fn host_device_tables_options() -> Options {
+    Options {
+        host_driver_costs: moonbright::driver::host::HostDriverCosts::DeviceTables,
+        ..host_options()
+    }
+}
+
 fn cuda_deferred_options() -> Options {
     Options { captures_announced: true, deferred_free_events: true, ..cuda_options() }
 }
@@ -866,6 +875,7 @@ macro_rules! suite {
 suite!(host, host_options());
 suite!(host_background, host_background_options());
 suite!(host_deferred, host_deferred_options());
+suite!(host_device_tables, host_device_tables_options());
 suite!(cuda, cuda_options());
 suite!(cuda_deferred, cuda_deferred_options());
 // Carving on, with room for it to run often: ranges of chunks cut page-granular.

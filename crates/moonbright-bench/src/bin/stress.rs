@@ -2,7 +2,8 @@
 //! 512 MiB, random lifetimes, about 60 GiB live, fixed seed. Reports peak reserved over peak
 //! allocated, alloc p50/p99 and operations per second for MoonBright (each profile: memory,
 //! balanced, the default, and latency; and balanced without its window) and the no-remap
-//! baseline, and writes the operation sequence as CSV for bench/torch_stress.py.
+//! baseline, and writes the operation sequence as CSV for bench/torch_stress.py. With `--host
+//! --host-costs`, the default profile on the host backend under each driver cost model instead.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -45,6 +46,13 @@ struct Args {
     /// `MOONBRIGHT_ALLOC_CONF=background:false` the run is deterministic.
     #[arg(long)]
     host: bool,
+    /// With --host: instead of the profiles, run the default profile under each of the host
+    /// backend's driver cost models (`host_driver_costs`): none, cuda (the CUDA driver's mean
+    /// cost per call on an H100) and device_tables (page tables written by a kernel, modelled:
+    /// docs/design.md, "Device-written page tables"). The calls, and so the memory held, are
+    /// the same under each (exactly so with `background:false`); times differ.
+    #[arg(long, requires = "host")]
+    host_costs: bool,
 }
 
 trait Replay {
@@ -63,6 +71,10 @@ trait Replay {
     /// Virtual-memory calls by kind: (kind, calls, mean us, longest us), if timed.
     fn vmm_times(&self) -> Vec<VmmTime> {
         vec![]
+    }
+    /// The host backend's modelled driver time in ms and its model, when it charges one.
+    fn modelled_driver_ms(&self) -> Option<(f64, &'static str)> {
+        None
     }
 }
 
@@ -105,6 +117,12 @@ impl Replay for Mb {
                 max_us: times.max_ns[k as usize] as f64 / 1e3,
             })
             .collect()
+    }
+    fn modelled_driver_ms(&self) -> Option<(f64, &'static str)> {
+        let host = self.a.driver().inner().as_host()?;
+        let costs = host.costs();
+        (costs != moonbright::driver::host::HostDriverCosts::None)
+            .then(|| (host.charged_cost().as_secs_f64() * 1e3, costs.name()))
     }
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let s = self.a.stats();
@@ -180,6 +198,10 @@ struct Outcome {
     counters: std::collections::BTreeMap<String, u64>,
     /// Its virtual-memory calls, every thread's (MoonBright only).
     vmm_calls: Vec<VmmTime>,
+    /// The host backend's driver cost model (`host_driver_costs`) and the time it charged,
+    /// teardown included (host rows with a model only).
+    driver_costs: Option<String>,
+    modelled_driver_ms: Option<f64>,
     ooms: usize,
     first_oom: Option<String>,
 }
@@ -230,6 +252,7 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
     let (res, alloc) = r.peaks();
     let counters = r.counters().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     let vmm_calls = r.vmm_times();
+    let modelled = r.modelled_driver_ms();
     Ok(Outcome {
         allocator: name.into(),
         ops: ops.len(),
@@ -251,6 +274,8 @@ fn replay(name: &str, r: &mut dyn Replay, ops: &[Op], peak_requested: u64) -> Re
             .collect(),
         counters,
         vmm_calls,
+        driver_costs: modelled.map(|m| m.1.to_string()),
+        modelled_driver_ms: modelled.map(|m| m.0),
         ooms,
         first_oom,
     })
@@ -291,14 +316,38 @@ fn run() -> Res<()> {
     let stream = if gpu.is_some() { Some(Stream::new(true)?) } else { None };
     let mut outcomes = vec![];
     let default_window = moonbright_bench::default_window();
+    use moonbright::driver::host::HostDriverCosts;
     use moonbright::Profile;
-    let rows = [
-        ("MoonBright (balanced, the default)", Profile::Balanced, default_window),
-        ("MoonBright (memory)", Profile::Memory, default_window),
-        ("MoonBright (latency)", Profile::Latency, default_window),
-        ("MoonBright (balanced, no window)", Profile::Balanced, (0, 0)),
-    ];
-    for (name, profile, window) in rows {
+    let rows = if args.host_costs {
+        vec![
+            (
+                "MoonBright, no driver costs",
+                Profile::Balanced,
+                default_window,
+                Some(HostDriverCosts::None),
+            ),
+            (
+                "MoonBright, cuda costs",
+                Profile::Balanced,
+                default_window,
+                Some(HostDriverCosts::Cuda),
+            ),
+            (
+                "MoonBright, device_tables costs",
+                Profile::Balanced,
+                default_window,
+                Some(HostDriverCosts::DeviceTables),
+            ),
+        ]
+    } else {
+        vec![
+            ("MoonBright (balanced, the default)", Profile::Balanced, default_window, None),
+            ("MoonBright (memory)", Profile::Memory, default_window, None),
+            ("MoonBright (latency)", Profile::Latency, default_window, None),
+            ("MoonBright (balanced, no window)", Profile::Balanced, (0, 0), None),
+        ]
+    };
+    for (name, profile, window, costs) in rows {
         let name = name.to_string();
         // The worker runs unless `MOONBRIGHT_ALLOC_CONF` turns it off (`background:false`,
         // which makes a `--host` run deterministic).
@@ -309,6 +358,10 @@ fn run() -> Res<()> {
         if args.host {
             opts.backend = moonbright::BackendKind::Host;
             opts.host_capacity = 140 * GIB;
+            // `None`: as `MOONBRIGHT_ALLOC_CONF` says (no costs unless it sets them).
+            if let Some(c) = costs {
+                opts.host_driver_costs = c;
+            }
         }
         let a = Allocator::new(opts).map_err(|e| format!("MoonBright: {e}"))?;
         let s = match &stream {
@@ -381,6 +434,9 @@ fn run() -> Res<()> {
                 .map(|v| format!("{} {} x {:.1} (max {:.0})", v.call, v.calls, v.mean_us, v.max_us))
                 .collect();
             println!("    VMM calls, mean (max) us: {}", list.join(", "));
+        }
+        if let (Some(costs), Some(ms)) = (&o.driver_costs, o.modelled_driver_ms) {
+            println!("    modelled driver time ({costs} costs, batch ends included): {ms:.1} ms");
         }
         for c in &o.by_handles {
             println!(

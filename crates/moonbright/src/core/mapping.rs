@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn unmap_runs_calls_between_before_every_call_but_the_first_and_stops_at_a_failure() {
-        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20, ..Default::default() };
         let d = Instrumented::new(HostDriver::new(cfg).unwrap());
         let between = Cell::new(0);
         let count = || {
@@ -229,7 +229,7 @@ mod tests {
 
     #[test]
     fn unmap_runs_stops_before_a_call_when_between_says_so() {
-        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20, ..Default::default() };
         let d = Instrumented::new(HostDriver::new(cfg).unwrap());
         let runs = three_runs(&d);
         let between = Cell::new(0);
@@ -243,7 +243,7 @@ mod tests {
 
     #[test]
     fn unmap_all_goes_on_past_a_failure() {
-        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let cfg = HostConfig { page_size: 64 << 10, capacity: 1 << 20, ..Default::default() };
         let d = Instrumented::new(HostDriver::new(cfg).unwrap());
         let runs = three_runs(&d);
         d.fail_nth(CallKind::Unmap, 1, None);

@@ -1,6 +1,6 @@
 //! [`Backend`]: the driver an allocator runs on, CUDA or the host model, chosen at run time
-//! (`Options::open_backend`). Its impls of the contract's traits are generated from their forwarding lists
-//! (`forward_calls!`): a `match`, so each call is a static one.
+//! (`Options::open_backend`). Its impls of the contract's traits are generated from their
+//! forwarding lists (`forward_calls!`): a `match`, so each call is a static one.
 
 use super::cuda::CudaDriver;
 use super::host::HostDriver;

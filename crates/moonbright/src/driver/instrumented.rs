@@ -217,8 +217,12 @@ mod tests {
     #[test]
     fn thread_calls_count_only_the_calling_threads_calls() {
         let d = Instrumented::new(
-            host::HostDriver::new(host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 })
-                .unwrap(),
+            host::HostDriver::new(host::HostConfig {
+                page_size: 64 << 10,
+                capacity: 1 << 20,
+                ..Default::default()
+            })
+            .unwrap(),
         );
         let (before, _) = thread_calls();
         let h = d.create_chunk(64 << 10).unwrap();
@@ -234,7 +238,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "the host backend's memfd and mmap calls are outside Miri")]
     fn vmm_calls_are_timed_and_others_are_not() {
-        let cfg = host::HostConfig { page_size: 64 << 10, capacity: 1 << 20 };
+        let cfg = host::HostConfig { page_size: 64 << 10, capacity: 1 << 20, ..Default::default() };
         let d = Instrumented::new(host::HostDriver::new(cfg).unwrap());
         let h = d.create_chunk(64 << 10).unwrap();
         let va = d.reserve(128 << 10, 0).unwrap();

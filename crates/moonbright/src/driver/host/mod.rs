@@ -3,8 +3,9 @@
 //! virtual reservations carved from the process address space, the mapping table, simulated
 //! streams and events) and its test hooks; beside it `memory` (offsets, chunks, spans), `vm`
 //! (virtual memory, peers, copies), `streams` (streams, events, capture), `ipc` (export and
-//! import) and `sys` (the system calls).
+//! import), `sys` (the system calls) and `costs` (the driver costs it may charge).
 
+mod costs;
 mod ipc;
 mod memory;
 mod streams;
@@ -20,7 +21,10 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{code, CallKind, DevicePtr, DriverError, DriverResult, Kernels, StreamHandle};
+use costs::{Charged, Costs};
 use memory::covers;
+
+pub use costs::{cuda_costs, device_table_costs, HostDriverCosts};
 
 /// How the host backend is shaped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,12 +33,14 @@ pub struct HostConfig {
     pub page_size: usize,
     /// Bytes of simulated device memory; `create_chunk` fails with `OUT_OF_MEMORY` beyond it.
     pub capacity: u64,
+    /// The driver costs each call is charged (time only; results are the same under each).
+    pub costs: HostDriverCosts,
 }
 
 impl Default for HostConfig {
-    /// 2 MiB granularity (an H200's) and 64 GiB of simulated device memory.
+    /// 2 MiB granularity (an H200's), 64 GiB of simulated device memory, no driver costs.
     fn default() -> Self {
-        HostConfig { page_size: 2 << 20, capacity: 64 << 30 }
+        HostConfig { page_size: 2 << 20, capacity: 64 << 30, costs: HostDriverCosts::None }
     }
 }
 
@@ -51,6 +57,8 @@ pub struct HostDriver {
     /// `state`, and a lock loom sees: the models check how a grant to a new peer orders with
     /// the maps of requests in flight, which a lock loom cannot see would hide from them.
     peers: crate::sync::Mutex<Vec<i32>>,
+    /// What each call costs, charged outside `state`'s lock.
+    costs: Costs,
 }
 
 /// A physical chunk: a range of memfd offsets.
@@ -196,6 +204,7 @@ impl HostDriver {
                 sync_wait: std::time::Duration::ZERO,
             }),
             peers: crate::sync::Mutex::new(Vec::new()),
+            costs: Costs::new(config.costs),
         })
     }
 
@@ -250,6 +259,26 @@ impl HostDriver {
         self.lock().capturing.remove(&s.0);
     }
 
+    /// The driver costs this backend charges.
+    pub fn costs(&self) -> HostDriverCosts {
+        self.costs.model()
+    }
+
+    /// The modelled driver time charged so far (zero under `HostDriverCosts::None`).
+    pub fn charged_cost(&self) -> std::time::Duration {
+        self.costs.charged()
+    }
+
+    /// Charges `call` its modelled cost (spinning), before the call does its work.
+    fn charge(&self, call: Charged) {
+        self.costs.call(self.cost_owner(), call);
+    }
+
+    /// This backend's identity in the batches the cost model keeps per thread.
+    fn cost_owner(&self) -> usize {
+        self as *const HostDriver as usize
+    }
+
     /// Bytes of the memfd actually backed by RAM.
     pub fn resident_bytes(&self) -> u64 {
         let st = self.lock();
@@ -302,6 +331,7 @@ impl fmt::Debug for HostDriver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("HostDriver");
         d.field("page_size", &self.page_size).field("capacity", &self.capacity);
+        d.field("costs", &self.costs.model());
         // try_lock: formatting must never wait on (or deadlock with) a call in flight.
         match self.state.try_lock() {
             Ok(st) => d

@@ -3,12 +3,12 @@
 
 use super::*;
 use crate::driver::prelude::*;
-use crate::driver::{ChunkHandle, EventHandle, MemInfo};
+use crate::driver::{Batch, ChunkHandle, EventHandle, MemInfo};
 
 const PS: usize = 64 << 10;
 
 fn driver(capacity: u64) -> HostDriver {
-    match HostDriver::new(HostConfig { page_size: PS, capacity }) {
+    match HostDriver::new(HostConfig { page_size: PS, capacity, ..Default::default() }) {
         Ok(d) => d,
         Err(e) => panic!("host driver: {e}"),
     }
@@ -46,7 +46,7 @@ fn is_send_and_sync() {
 #[test]
 fn new_rejects_bad_config() {
     for (page_size, capacity) in [(0, 1 << 30), (3 << 16, 1 << 30), (1024, 1 << 30), (PS, 0)] {
-        let r = HostDriver::new(HostConfig { page_size, capacity });
+        let r = HostDriver::new(HostConfig { page_size, capacity, ..Default::default() });
         expect_code(r, CallKind::MemInfo, code::INVALID_VALUE);
     }
     let d = HostDriver::new(HostConfig::default()).unwrap();
@@ -515,4 +515,113 @@ fn drop_unmaps_everything_and_closes_the_memfd() {
     drop(d);
     assert!(!maps_it(), "a mapping of the memfd survived drop");
     assert!(!opens_it(), "the memfd is still open after drop");
+}
+
+fn costed(costs: HostDriverCosts) -> HostDriver {
+    match HostDriver::new(HostConfig { page_size: PS, capacity: 64 * PS as u64, costs }) {
+        Ok(d) => d,
+        Err(e) => panic!("host driver: {e}"),
+    }
+}
+
+/// Makes `n` one-page chunks, maps them back to back and sets access (in one batch when
+/// `batch`), unmaps them all with one call (its own batch when `batch`), and releases them.
+/// Returns the time it took.
+fn map_set_unmap(d: &HostDriver, n: usize, batch: bool) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    let base = d.reserve(n * PS, 0).unwrap();
+    let chunks: Vec<ChunkHandle> = (0..n).map(|_| d.create_chunk(PS).unwrap()).collect();
+    let b = if batch { d.begin_batch() } else { Batch(false) };
+    assert_eq!(b.0, batch && d.costs() == HostDriverCosts::DeviceTables);
+    for (i, &c) in chunks.iter().enumerate() {
+        d.map(base + (i * PS) as u64, PS, c).unwrap();
+    }
+    d.set_access(base, n * PS).unwrap();
+    d.end_batch(b);
+    let b = if batch { d.begin_batch() } else { Batch(false) };
+    d.unmap(base, n * PS).unwrap();
+    d.end_batch(b);
+    for c in chunks {
+        d.release_chunk(c).unwrap();
+    }
+    start.elapsed()
+}
+
+#[test]
+fn each_cost_model_charges_what_it_claims() {
+    use cuda_costs as cu;
+    use device_table_costs::{LAUNCH, TLB_INVALIDATION};
+    let n = 8u32;
+    let driver_side = cu::RESERVE + (cu::CREATE + cu::RELEASE) * n;
+    for (costs, batch, want) in [
+        (HostDriverCosts::None, true, std::time::Duration::ZERO),
+        (HostDriverCosts::None, false, std::time::Duration::ZERO),
+        (HostDriverCosts::Cuda, true, driver_side + cu::MAP * n + cu::SET_ACCESS + cu::UNMAP),
+        (HostDriverCosts::Cuda, false, driver_side + cu::MAP * n + cu::SET_ACCESS + cu::UNMAP),
+        // A batch of n maps and a set access is one launch; an unmap batch one launch and one
+        // TLB invalidation.
+        (HostDriverCosts::DeviceTables, true, driver_side + LAUNCH * 2 + TLB_INVALIDATION),
+        // Outside a batch each call is a launch of its own.
+        (HostDriverCosts::DeviceTables, false, driver_side + LAUNCH * (n + 2) + TLB_INVALIDATION),
+    ] {
+        let d = costed(costs);
+        let took = map_set_unmap(&d, n as usize, batch);
+        assert_eq!(d.charged_cost(), want, "{costs:?}, batch {batch}");
+        // The charge is spent, not only counted (a lower bound only: a busy machine is slower).
+        assert!(took >= want, "{costs:?}: {took:?} < {want:?}");
+        assert_eq!((d.mapping_count(), d.live_chunk_bytes()), (0, 0));
+    }
+}
+
+#[test]
+fn costs_change_no_outcome() {
+    // The same calls, refused ones among them, give the same outcomes under every model.
+    let outcomes = |costs| {
+        let d = costed(costs);
+        let mut out: Vec<Result<(), (CallKind, i32)>> = Vec::new();
+        let mut note = |r: DriverResult<()>| out.push(r.map_err(|e| (e.call, e.code)));
+        let base = d.reserve(4 * PS, 0).unwrap();
+        let a = d.create_chunk(2 * PS).unwrap();
+        let b = d.begin_batch();
+        note(d.map(base, 2 * PS, a));
+        note(d.map(base, 2 * PS, a)); // already mapped
+        note(d.set_access(base, 4 * PS)); // half unmapped
+        note(d.set_access(base, 2 * PS));
+        d.end_batch(b);
+        note(d.unmap(base, PS)); // inside a mapping
+        note(d.release_chunk(a));
+        note(d.unmap(base, 2 * PS));
+        note(d.release_chunk(a)); // released already
+        note(d.create_chunk(128 * PS).map(|_| ())); // beyond the capacity
+        note(d.free_reservation(base, 4 * PS));
+        (out, d.mapping_count(), d.live_chunk_bytes())
+    };
+    let none = outcomes(HostDriverCosts::None);
+    assert_eq!(none.0.iter().filter(|r| r.is_err()).count(), 5, "{none:?}");
+    for costs in [HostDriverCosts::Cuda, HostDriverCosts::DeviceTables] {
+        assert_eq!(outcomes(costs), none, "{costs:?}");
+    }
+}
+
+#[test]
+fn a_batch_absorbs_only_its_own_backends_calls() {
+    let (d, other) = (costed(HostDriverCosts::DeviceTables), costed(HostDriverCosts::DeviceTables));
+    let (va, c) = (d.reserve(PS, 0).unwrap(), d.create_chunk(PS).unwrap());
+    let (ova, oc) = (other.reserve(PS, 0).unwrap(), other.create_chunk(PS).unwrap());
+    let before = (d.charged_cost(), other.charged_cost());
+    let b = d.begin_batch();
+    assert!(b.0);
+    let inner = d.begin_batch();
+    assert!(!inner.0, "a batch begun inside another does nothing");
+    d.map(va, PS, c).unwrap();
+    d.end_batch(inner);
+    assert_eq!(d.charged_cost(), before.0, "the write waits for the batch's launch");
+    other.map(ova, PS, oc).unwrap();
+    assert_eq!(other.charged_cost() - before.1, device_table_costs::LAUNCH, "not in d's batch");
+    d.end_batch(b);
+    assert_eq!(d.charged_cost() - before.0, device_table_costs::LAUNCH);
+    // An empty batch launches nothing.
+    let b = d.begin_batch();
+    d.end_batch(b);
+    assert_eq!(d.charged_cost() - before.0, device_table_costs::LAUNCH);
 }

@@ -1,9 +1,10 @@
 //! The host backend's virtual-memory calls (reserve, create, map, set access, unmap, release),
 //! its peers, and its copies, each checked against CUDA's rules.
 
-use super::{err, os_err, sys, Chunk, HostDriver, Mapping, HOST_DEVICES};
+use super::{err, os_err, sys, Charged, Chunk, HostDriver, Mapping, HOST_DEVICES};
 use crate::driver::{
-    code, CallKind, ChunkHandle, Copies, DevicePtr, DriverResult, MemInfo, Peers, VirtualMemory,
+    code, Batch, CallKind, ChunkHandle, Copies, DevicePtr, DriverResult, MemInfo, Peers,
+    VirtualMemory,
 };
 
 impl VirtualMemory for HostDriver {
@@ -21,6 +22,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn reserve(&self, size: usize, alignment: usize) -> DriverResult<DevicePtr> {
+        self.charge(Charged::Reserve);
         let call = CallKind::Reserve;
         let ps = self.page_size;
         if size == 0 || size % ps != 0 {
@@ -105,6 +107,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn create_chunk(&self, size: usize) -> DriverResult<ChunkHandle> {
+        self.charge(Charged::Create);
         let call = CallKind::Create;
         let ps = self.page_size;
         if size == 0 || size % ps != 0 {
@@ -137,6 +140,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
+        self.charge(Charged::Release);
         let mut st = self.lock();
         let chunk = match st.chunks.get_mut(&handle.0) {
             Some(c) if !c.released => c,
@@ -156,6 +160,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn map(&self, va: DevicePtr, size: usize, handle: ChunkHandle) -> DriverResult<()> {
+        self.charge(Charged::Map);
         let call = CallKind::Map;
         let end = self.check_aligned(call, va, size)?;
         let size = size as u64;
@@ -216,6 +221,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn set_access(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.charge(Charged::SetAccess);
         let call = CallKind::SetAccess;
         let end = self.check_aligned(call, va, size)?;
         let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -236,6 +242,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn unmap(&self, va: DevicePtr, size: usize) -> DriverResult<()> {
+        self.charge(Charged::Unmap);
         let call = CallKind::Unmap;
         let end = self.check_aligned(call, va, size)?;
         let mut st = self.lock();
@@ -288,6 +295,18 @@ impl VirtualMemory for HostDriver {
             }
         }
         Ok(())
+    }
+
+    /// Under `HostDriverCosts::DeviceTables`, a batch's page-table writes are one kernel launch
+    /// at its end; under the other models a batch changes nothing.
+    fn begin_batch(&self) -> Batch {
+        Batch(self.costs.begin_batch(self.cost_owner()))
+    }
+
+    fn end_batch(&self, batch: Batch) {
+        if batch.0 {
+            self.costs.end_batch(self.cost_owner());
+        }
     }
 }
 
