@@ -27,8 +27,8 @@ use reference::HostTables;
 use rows::{PageLists, RowHot};
 use store::{GrowableStore, PageStore};
 
-use crate::driver::Kernels as _;
-use crate::{Allocator, DevicePtr, StreamHandle};
+use moonbright::driver::Kernels as _;
+use moonbright::{Allocator, DevicePtr, StreamHandle};
 
 /// Everything a paged-pool call can refuse. A refused request changes nothing.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -123,7 +123,7 @@ pub enum PagedError {
     Poisoned(String),
     /// The allocator refused memory for the pool.
     #[error(transparent)]
-    Alloc(#[from] crate::Error),
+    Alloc(#[from] moonbright::Error),
 }
 
 /// Result of a paged-pool call.
@@ -850,11 +850,11 @@ impl<'a> PagedPool<'a> {
     pub fn synchronize(&self) -> PagedResult<()> {
         if let Applier::Device(_) = self.applier {
             let d = self.alloc.driver();
-            use crate::driver::prelude::*;
-            let e = d.create_event().map_err(crate::Error::from)?;
+            use moonbright::driver::prelude::*;
+            let e = d.create_event().map_err(moonbright::Error::from)?;
             let r = d.record_event(e, self.stream).and_then(|_| d.synchronize_event(e));
             let _ = d.destroy_event(e);
-            r.map_err(crate::Error::from)?;
+            r.map_err(moonbright::Error::from)?;
         }
         Ok(())
     }
@@ -982,8 +982,8 @@ impl<'a> PagedPool<'a> {
 
     /// Refuses a commit on a capturing stream, before anything changes.
     fn refuse_capture(&self) -> PagedResult<()> {
-        use crate::driver::prelude::*;
-        if self.alloc.driver().is_capturing(self.stream).map_err(crate::Error::from)? {
+        use moonbright::driver::prelude::*;
+        if self.alloc.driver().is_capturing(self.stream).map_err(moonbright::Error::from)? {
             return Err(PagedError::StreamCapture { stream: self.stream.0 });
         }
         Ok(())
