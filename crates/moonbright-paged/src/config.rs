@@ -1,35 +1,9 @@
-//! The pool's shape ([`PagedConfig`] and its checks), the ids of its sequences ([`SeqId`]) and
-//! the device addresses of its fixed buffers ([`TablePointers`]).
-
-use std::fmt;
+//! The pool's shape ([`PagedConfig`] and its checks) and the device addresses of its fixed
+//! buffers ([`TablePointers`]).
 
 use moonbright::DevicePtr;
 
-use crate::{PagedError, PagedResult};
-
-/// A sequence: its block-table row in the low 32 bits, the row's generation in the high ones,
-/// so an id outlives its sequence without ever naming the next one in the same row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub u64);
-
-impl SeqId {
-    pub(crate) fn new(row: u32, generation: u32) -> Self {
-        SeqId((generation as u64) << 32 | row as u64)
-    }
-    /// Its block-table row.
-    pub fn row(self) -> u32 {
-        self.0 as u32
-    }
-    pub(crate) fn generation(self) -> u32 {
-        (self.0 >> 32) as u32
-    }
-}
-
-impl fmt::Display for SeqId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x} (row {}, generation {})", self.0, self.row(), self.generation())
-    }
-}
+use crate::error::{PagedError, PagedResult};
 
 /// The shape of a pool.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -10,8 +10,9 @@ use std::ffi::{c_void, CString};
 use std::ptr;
 use std::sync::Mutex;
 
-use super::delta::{Delta, PageCopy, TableOp, TokenRun};
-use super::{PagedConfig, PagedError, PagedResult, TablePointers};
+use crate::config::{PagedConfig, TablePointers};
+use crate::delta::{Delta, PageCopy, TableOp, TokenRun};
+use crate::error::{PagedError, PagedResult};
 use moonbright::driver::{
     Backend, EventHandle, KernelHandle, Kernels as _, PinnedBuffer, StreamHandle, Streams,
 };

@@ -1,7 +1,7 @@
 //! What a paged-pool call can refuse, and why: [`PagedError`] names the request and the limit it
 //! hit. A refused request changes nothing.
 
-use crate::SeqId;
+use crate::seq::SeqId;
 
 /// Everything a paged-pool call can refuse. A refused request changes nothing.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -19,12 +19,14 @@ mod ids;
 mod pool;
 pub mod reference;
 mod rows;
+mod seq;
 mod store;
 
-pub use config::{PagedConfig, SeqId, TablePointers};
+pub use config::{PagedConfig, TablePointers};
 pub use delta::{
     Delta, PageCopy, TableOp, TokenRun, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN,
 };
 pub use device::{kernel_source, nvrtc_options, NvrtcOptions};
 pub use error::{PagedError, PagedResult};
 pub use pool::PagedPool;
+pub use seq::SeqId;

@@ -14,14 +14,15 @@ use std::fmt;
 use moonbright::driver::Kernels as _;
 use moonbright::{Allocator, DevicePtr, StreamHandle};
 
+use crate::config::{PagedConfig, TablePointers};
+use crate::delta::{Delta, PageCopy, TokenRun};
 use crate::device::DeviceTables;
+use crate::error::{PagedError, PagedResult};
 use crate::ids::FreeIds;
 use crate::reference::HostTables;
 use crate::rows::{PageLists, RowHot};
+use crate::seq::SeqId;
 use crate::store::{GrowableStore, PageStore};
-use crate::{
-    Delta, PageCopy, PagedConfig, PagedError, PagedResult, SeqId, TablePointers, TokenRun,
-};
 
 /// Bytes of the step kernel's counters (three u32, padded).
 const SYNC_BYTES: usize = 16;

@@ -3,7 +3,8 @@
 //! the marks of what this step changed, which the commit turns into the delta.
 
 use super::PagedPool;
-use crate::{PageCopy, PagedError, PagedResult, TokenRun, DEAD_ROW};
+use crate::delta::{PageCopy, TokenRun, DEAD_ROW};
+use crate::error::{PagedError, PagedResult};
 
 impl PagedPool<'_> {
     pub(super) fn check_usable(&self) -> PagedResult<()> {

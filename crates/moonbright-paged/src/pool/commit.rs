@@ -5,11 +5,10 @@
 use moonbright::Allocator;
 
 use super::{Applier, PagedPool};
+use crate::config::{PagedConfig, TablePointers};
+use crate::delta::{Delta, TableOp, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN};
+use crate::error::{PagedError, PagedResult};
 use crate::reference::HostTables;
-use crate::{
-    Delta, PagedConfig, PagedError, PagedResult, TableOp, TablePointers, OP_BATCH, OP_BLOCK,
-    OP_CLEAR, OP_LEN,
-};
 
 impl PagedPool<'_> {
     /// Commits the step without decode tokens: ships the delta and launches the kernels (or

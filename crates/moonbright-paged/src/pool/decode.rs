@@ -2,7 +2,9 @@
 //! page (one phase bucket) and those whose last page is shared, then the step is committed.
 
 use super::PagedPool;
-use crate::{Delta, PagedError, PagedResult, SeqId};
+use crate::delta::Delta;
+use crate::error::{PagedError, PagedResult};
+use crate::seq::SeqId;
 
 impl PagedPool<'_> {
     /// Extends every live sequence by one token, then commits the step: the decode tokens'

@@ -3,7 +3,8 @@
 //! the step's delta must carry.
 
 use super::PagedPool;
-use crate::{PagedError, PagedResult, SeqId};
+use crate::error::{PagedError, PagedResult};
+use crate::seq::SeqId;
 
 impl PagedPool<'_> {
     /// A new sequence of `prompt_len` tokens (written this step: they get slots).
