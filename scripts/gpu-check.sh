@@ -66,7 +66,7 @@ if want hf; then
     python/tests/gpu/test_transformers_gpu.py
 fi
 if want paged; then
-  run paged-nvrtc 60 "$bin/unit" paged:: --nocapture
+  run paged-nvrtc 60 "$bin/paged-unit" --nocapture
   run paged-cuda 300 "$bin/paged" --test-threads 1 --nocapture
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site carry/wheel/moonbright-*.whl
   run python-paged 300 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs -s \

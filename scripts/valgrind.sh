@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Runs the core's CPU tests under valgrind's memcheck: the unit tests, the stream,
-# fault-injection and host conformance tests, growable allocations and the paged pool. Exits
-# non-zero on any test failure or memcheck error. (scripts/sanitize.sh runs them under the
-# thread and address sanitizers, and the unit tests under Miri.)
+# fault-injection and host conformance tests, growable allocations, and the paged pool's unit
+# and paged tests. Exits non-zero on any test failure or memcheck error. (scripts/sanitize.sh
+# runs them under the thread and address sanitizers, and the unit tests under Miri.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 1; }
-bins=$(cargo test --release -p moonbright --no-run --message-format=json 2>/dev/null | python3 -c '
+bins=$(cargo test --release -p moonbright -p moonbright-paged --no-run --message-format=json 2>/dev/null | python3 -c '
 import sys, json
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and \
-       m["target"]["name"] in ("moonbright", "streams", "faults", "conformance", "growable", "paged"):
+       m["target"]["name"] in ("moonbright", "streams", "faults", "conformance", "growable",
+                               "moonbright_paged", "paged"):
         print(m["target"]["name"], m["executable"])
 ')
 while read -r name bin; do

@@ -5,8 +5,8 @@
 
 use std::ffi::{c_int, c_void};
 
-use moonbright::paged::{PagedConfig, PagedError, PagedPool, SeqId};
 use moonbright::StreamHandle;
+use moonbright_paged::{PagedConfig, PagedError, PagedPool, SeqId};
 
 use crate::status::{
     allocator, call, status_of, write_out, Failure, MB_ERR_CAPACITY, MB_ERR_DRIVER,

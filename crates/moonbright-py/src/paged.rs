@@ -3,8 +3,8 @@
 //! exceptions below (a refused request changes nothing). `python/moonbright/paged.py` wraps it
 //! with tensors over the tables and pages.
 
-use moonbright::paged::{PagedConfig, PagedError, PagedPool as Pool, SeqId};
 use moonbright::StreamHandle;
+use moonbright_paged::{PagedConfig, PagedError, PagedPool as Pool, SeqId};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::create_exception;

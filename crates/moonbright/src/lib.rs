@@ -23,7 +23,6 @@ mod error;
 pub mod ipc;
 pub mod libs;
 pub mod nvrtc;
-pub mod paged;
 mod stream;
 pub(crate) mod sync;
 #[doc(hidden)]

@@ -1,7 +1,8 @@
 //! Run-time compilation of CUDA C to PTX with NVRTC, called through the handle `crate::libs`
 //! finds (where `MOONBRIGHT_NVRTC` says, pip's `nvidia-cuda-nvrtc` under the Python package,
 //! or the loader path), failing with a message, never a panic, when libnvrtc is missing or the
-//! source does not compile. Used by the paged pool's kernels and by the GPU benchmarks.
+//! source does not compile. Used by the paged pool's kernels (`moonbright-paged`) and by the GPU
+//! benchmarks.
 //!
 //! The calls are the seven of NVRTC's C API a compile needs, resolved from that handle: cudarc
 //! finds libnvrtc by names that miss CUDA 13's `libnvrtc.so.13`, and not where pip puts it.

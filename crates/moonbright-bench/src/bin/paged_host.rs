@@ -18,9 +18,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use moonbright::driver::prelude::*;
-use moonbright::paged::{PagedConfig, PagedPool, SeqId};
 use moonbright::{Allocator, BackendKind, Options, StreamHandle};
 use moonbright_bench::stats::median;
+use moonbright_paged::{PagedConfig, PagedPool, SeqId};
 
 const T: u32 = 16;
 const MAX_LEN: u32 = 4096;

@@ -2,7 +2,7 @@
 //! `base + p * page_bytes` and the pool grows and shrinks by committing or giving back pages at
 //! its tail, in place. [`PageStore`] keeps that choice in one place.
 
-use crate::{Allocator, DevicePtr, Result, StreamHandle};
+use moonbright::{Allocator, DevicePtr, Result, StreamHandle};
 
 /// The backing of a pool's pages.
 pub(crate) trait PageStore: Send {

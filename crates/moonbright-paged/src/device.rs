@@ -10,12 +10,13 @@ use std::ffi::{c_void, CString};
 use std::ptr;
 use std::sync::Mutex;
 
-use super::delta::{Delta, PageCopy, TableOp, TokenRun};
-use super::{PagedConfig, PagedError, PagedResult, TablePointers};
-use crate::driver::{
+use crate::config::{PagedConfig, TablePointers};
+use crate::delta::{Delta, PageCopy, TableOp, TokenRun};
+use crate::error::{PagedError, PagedResult};
+use moonbright::driver::{
     Backend, EventHandle, KernelHandle, Kernels as _, PinnedBuffer, StreamHandle, Streams,
 };
-use crate::DevicePtr;
+use moonbright::DevicePtr;
 
 /// The kernels' CUDA C source.
 pub fn kernel_source() -> &'static str {
@@ -46,7 +47,7 @@ pub fn nvrtc_options(opts: &NvrtcOptions) -> Vec<String> {
 /// Compiles the kernels to PTX. Fails with a message (never panics) when libnvrtc cannot be
 /// loaded or the compilation fails.
 pub fn compile_ptx(opts: &NvrtcOptions) -> Result<String, String> {
-    crate::nvrtc::compile_ptx(kernel_source(), "moonbright_paged.cu", nvrtc_options(opts))
+    moonbright::nvrtc::compile_ptx(kernel_source(), "moonbright_paged.cu", nvrtc_options(opts))
 }
 
 /// The kernel of a loaded module.
@@ -387,8 +388,10 @@ mod tests {
     /// failure under `MOONBRIGHT_REQUIRE_GPU=1`).
     #[test]
     fn kernels_compile_with_nvrtc() {
-        if !crate::libs::libnvrtc_present() {
-            crate::testing::skip("no libnvrtc on the loader path (scripts/test.sh provides one)");
+        if !moonbright::libs::libnvrtc_present() {
+            moonbright::testing::skip(
+                "no libnvrtc on the loader path (scripts/test.sh provides one)",
+            );
             return;
         }
         let ptx = compile_ptx(&NvrtcOptions { arch: (8, 0), line_info: true })

@@ -2,7 +2,7 @@
 //! the block table, lengths, batch list and slot mapping exactly as `kernels.cu` does on the
 //! device. The host backend uses it as its "device"; tests compare the GPU's tables with it.
 
-use super::delta::{Delta, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN};
+use crate::delta::{Delta, DEAD_ROW, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN};
 
 /// Host copies of the device tables.
 #[derive(Clone, Debug, PartialEq, Eq)]

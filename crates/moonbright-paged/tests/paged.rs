@@ -7,9 +7,9 @@
 
 use std::collections::HashMap;
 
-use moonbright::paged::reference::HostTables;
-use moonbright::paged::{PagedConfig, PagedError, PagedPool, SeqId};
 use moonbright::{Allocator, BackendKind, Options, StreamHandle};
+use moonbright_paged::reference::HostTables;
+use moonbright_paged::{PagedConfig, PagedError, PagedPool, SeqId};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -255,7 +255,7 @@ fn check_step(pool: &PagedPool<'_>, m: &mut Model) {
     let pb = c.page_bytes();
     let mut pages: HashMap<u32, Vec<u8>> = HashMap::new();
     for (&(row, pos), &slot) in slot_tokens.iter().zip(&got.slot_mapping) {
-        if row == moonbright::paged::DEAD_ROW {
+        if row == moonbright_paged::DEAD_ROW {
             assert_eq!(slot, -1);
             continue;
         }
