@@ -37,7 +37,7 @@ run() { # name, timeout, command...
 }
 if want rust; then
   run unit-cuda 120 "$bin/unit" driver::cuda --test-threads 1
-  run conformance-cuda 300 "$bin/conformance" cuda:: --test-threads 1
+  run conformance-cuda 300 "$bin/conformance" cuda --test-threads 1  # every CUDA configuration
   run capture-cuda 60 "$bin/capture" --nocapture
   run growable-cuda 120 "$bin/growable" cuda_ --test-threads 1
 fi
