@@ -11,7 +11,7 @@ use moonbright::driver::*;
 #[derive(Debug)]
 struct Null;
 
-impl Driver for Null {
+impl VirtualMemory for Null {
     fn name(&self) -> &'static str {
         "null"
     }
@@ -39,18 +39,27 @@ impl Driver for Null {
     fn set_access(&self, _: DevicePtr, _: usize) -> DriverResult<()> {
         Ok(())
     }
-    fn set_peers(&self, _: &[i32]) -> DriverResult<()> {
-        Ok(())
-    }
     fn unmap(&self, _: DevicePtr, _: usize) -> DriverResult<()> {
         Ok(())
     }
+}
+
+impl Peers for Null {
+    fn set_peers(&self, _: &[i32]) -> DriverResult<()> {
+        Ok(())
+    }
+}
+
+impl Copies for Null {
     fn write(&self, _: DevicePtr, _: &[u8]) -> DriverResult<()> {
         Ok(())
     }
     fn read(&self, _: DevicePtr, _: &mut [u8]) -> DriverResult<()> {
         Ok(())
     }
+}
+
+impl Streams for Null {
     fn create_stream(&self) -> DriverResult<StreamHandle> {
         Ok(StreamHandle(1))
     }
@@ -72,10 +81,15 @@ impl Driver for Null {
     fn synchronize_event(&self, _: EventHandle) -> DriverResult<()> {
         Ok(())
     }
+}
+
+impl Capture for Null {
     fn is_capturing(&self, _: StreamHandle) -> DriverResult<bool> {
         Ok(false)
     }
 }
+
+impl Ipc for Null {}
 
 /// Two threads race through a planned failure: in every interleaving exactly one call fails,
 /// and every call is counted.
