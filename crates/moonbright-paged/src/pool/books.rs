@@ -1,16 +1,59 @@
-//! The pool's books: free rows and pages (the page store grows and shrinks by whole granules),
-//! each row's length and phase bucket, page references (shared pages and copy-on-write), and
-//! the marks of what this step changed, which the commit turns into the delta.
+//! The pool's books: the rows (`RowBooks`: free rows, each row's pages and length), the phase
+//! buckets (`PhaseBuckets`), the pages (`PageBooks`: free pages, the page store that grows and
+//! shrinks by whole granules, shared pages and copy-on-write), and the marks of what this step
+//! changed (`StepMarks`), which the commit turns into the delta.
+
+use std::collections::HashMap;
 
 use super::PagedPool;
 use crate::delta::{PageCopy, TokenRun, DEAD_ROW};
 use crate::error::{PagedError, PagedResult};
+use crate::ids::FreeIds;
+use crate::rows::{PageLists, RowHot};
+use crate::store::PageStore;
 
-impl PagedPool<'_> {
-    pub(super) fn check_usable(&self) -> PagedResult<()> {
-        match &self.poisoned {
-            Some(why) => Err(PagedError::Poisoned(why.clone())),
-            None => Ok(()),
+/// The books of the rows: which hold a live sequence (of which generation), each row's pages,
+/// length and block marks, its place in the batch, and whether its last page may be shared.
+pub(super) struct RowBooks {
+    pub(super) generation: Vec<u32>,
+    pub(super) live: Vec<bool>,
+    /// The row's length (less `PhaseBuckets::decodes`, wrapping: a decode step grows every
+    /// length by bumping `decodes` alone; see `PagedPool::len_of`) and this step's block marks.
+    pub(super) hot: Vec<RowHot>,
+    pub(super) pages: PageLists,
+    /// The rows of the batch, in slot-mapping order for decode tokens.
+    pub(super) batch: Vec<u32>,
+    pub(super) batch_pos: Vec<u32>,
+    /// The row's last page may be shared (checked against its reference count before a write).
+    pub(super) tail_shared: Vec<bool>,
+    /// Rows whose `tail_shared` may be set (each once; `in_shared` marks them).
+    pub(super) shared_rows: Vec<u32>,
+    pub(super) in_shared: Vec<bool>,
+    pub(super) free_rows: FreeIds,
+    /// Rows freed this step: reusable once it is committed.
+    pub(super) pending_rows: Vec<u32>,
+    pub(super) live_rows: u32,
+}
+
+impl RowBooks {
+    /// `max_seqs` free rows of at most `max_pages_per_seq` pages each.
+    pub(super) fn new(max_seqs: u32, max_pages_per_seq: usize) -> RowBooks {
+        let seqs = max_seqs as usize;
+        let mut free_rows = FreeIds::new();
+        free_rows.grow_to(max_seqs);
+        RowBooks {
+            generation: vec![0; seqs],
+            live: vec![false; seqs],
+            hot: vec![RowHot::default(); seqs],
+            pages: PageLists::new(seqs, max_pages_per_seq),
+            batch: Vec::with_capacity(seqs),
+            batch_pos: vec![0; seqs],
+            tail_shared: vec![false; seqs],
+            shared_rows: Vec::new(),
+            in_shared: vec![false; seqs],
+            free_rows,
+            pending_rows: Vec::new(),
+            live_rows: 0,
         }
     }
 
@@ -18,85 +61,41 @@ impl PagedPool<'_> {
         self.free_rows.peek_lowest()
     }
 
-    pub(super) fn check_step_tokens(&self, more: u64) -> PagedResult<()> {
-        let requested = self.explicit_tokens as u64 + more;
-        if requested > self.cfg.max_step_tokens as u64 {
-            return Err(PagedError::StepTooLarge { requested, capacity: self.cfg.max_step_tokens });
+    pub(super) fn set_tail_shared(&mut self, r: usize, shared: bool) {
+        self.tail_shared[r] = shared;
+        if shared && !self.in_shared[r] {
+            self.in_shared[r] = true;
+            self.shared_rows.push(r as u32);
         }
-        Ok(())
     }
+}
 
-    /// Pages per allocator page: the store grows and shrinks by whole granules.
-    pub(super) fn granule_pages(&self) -> u32 {
-        (self.alloc.page_size().div_ceil(self.cfg.page_bytes()) as u32).max(1)
-    }
+/// The decode count and the live rows by phase: a row whose length is `len` when the decode
+/// phase is `ph` sits in bucket `(len - ph) mod tokens_per_page`, reduced mod the number of
+/// buckets. The phase moves with the lengths, so a row changes bucket only when its length
+/// changes otherwise; a decode step visits the one bucket that holds the rows starting a page.
+pub(super) struct PhaseBuckets {
+    /// Decode steps so far (wrapping).
+    pub(super) decodes: u32,
+    /// `decodes % tokens_per_page`.
+    pub(super) decode_phase: u32,
+    /// The buckets' rows.
+    pub(super) phase_rows: Vec<Vec<u32>>,
+    /// Per row: its bucket, and its index in it.
+    pub(super) phase_bucket: Vec<u32>,
+    pub(super) phase_pos: Vec<u32>,
+}
 
-    /// Makes sure `n` pages can be taken without failing, growing the store if needed. The
-    /// growth is not undone if the request is refused later: it changes no sequence.
-    pub(super) fn ensure_free_pages(&mut self, n: u64) -> PagedResult<()> {
-        let free = self.free_pages.count() as u64;
-        if n <= free {
-            return Ok(());
+impl PhaseBuckets {
+    /// `buckets` empty buckets for `seqs` rows.
+    pub(super) fn new(seqs: usize, buckets: usize) -> PhaseBuckets {
+        PhaseBuckets {
+            decodes: 0,
+            decode_phase: 0,
+            phase_rows: vec![Vec::new(); buckets],
+            phase_bucket: vec![0; seqs],
+            phase_pos: vec![0; seqs],
         }
-        let available = free + (self.cfg.max_pages - self.free_pages.limit()) as u64;
-        if n > available {
-            return Err(PagedError::OutOfPages {
-                needed: n,
-                available,
-                max_pages: self.cfg.max_pages,
-            });
-        }
-        let want = self.free_pages.limit() as u64 + (n - free);
-        // Grow by at least a quarter of what is committed, by whole granules.
-        let g = self.granule_pages() as u64;
-        let want = want.max(self.free_pages.limit() as u64 * 5 / 4);
-        let target = (want.div_ceil(g) * g).min(self.cfg.max_pages as u64) as u32;
-        self.store.resize(target as usize * self.cfg.page_bytes(), self.stream)?;
-        self.free_pages.grow_to(target);
-        Ok(())
-    }
-
-    /// Gives back the committed memory above the highest page in use. Returns the bytes
-    /// released.
-    pub fn shrink(&mut self) -> PagedResult<u64> {
-        self.check_usable()?;
-        let before = self.store.committed();
-        let granule = self.granule_pages();
-        let used_top = self.free_pages.trim_trailing(0);
-        let target = used_top.div_ceil(granule) * granule;
-        let target = target.min(self.cfg.max_pages);
-        // Give the granule's rounding back to the free set.
-        self.free_pages.grow_to(target);
-        self.store.resize(target as usize * self.cfg.page_bytes(), self.stream)?;
-        Ok(before.saturating_sub(self.store.committed()) as u64)
-    }
-
-    /// The token count of row `r` (live).
-    #[inline]
-    pub(super) fn len_of(&self, r: usize) -> u32 {
-        self.hot[r].len_rel.wrapping_add(self.decodes)
-    }
-
-    /// The phase bucket of a live row of length `len`.
-    pub(super) fn bucket_for(&self, len: u32) -> u32 {
-        let t = self.cfg.tokens_per_page;
-        let key = (len % t + t - self.decode_phase) % t;
-        key % self.phase_rows.len() as u32
-    }
-
-    /// The bucket holding the rows whose length is a whole number of pages.
-    pub(super) fn due_bucket(&self) -> usize {
-        self.bucket_for(0) as usize
-    }
-
-    /// Gives a row that just became live its length, and puts it in its bucket.
-    pub(super) fn place(&mut self, row: u32, len: u32) {
-        let r = row as usize;
-        self.hot[r].len_rel = len.wrapping_sub(self.decodes);
-        let b = self.bucket_for(len);
-        self.phase_bucket[r] = b;
-        self.phase_pos[r] = self.phase_rows[b as usize].len() as u32;
-        self.phase_rows[b as usize].push(row);
     }
 
     /// Takes a live row out of its bucket.
@@ -110,23 +109,33 @@ impl PagedPool<'_> {
             self.phase_pos[last as usize] = i as u32;
         }
     }
+}
 
-    /// Changes a live row's length (not by a decode step).
-    pub(super) fn set_len(&mut self, row: u32, len: u32) {
-        let r = row as usize;
-        if self.bucket_for(len) == self.phase_bucket[r] {
-            self.hot[r].len_rel = len.wrapping_sub(self.decodes);
-        } else {
-            self.unplace(row);
-            self.place(row, len);
-        }
-    }
+/// The pages: the store that grows and shrinks by whole granules, the free set below its top,
+/// the shared pages, and those freed this step.
+pub(super) struct PageBooks<'a> {
+    pub(super) store: Box<dyn PageStore + 'a>,
+    pub(super) free_pages: FreeIds,
+    /// Pages held by more than one sequence, with their holders beyond the first. Any other
+    /// page has one holder while a row lists it and none when free or pending, so freeing a
+    /// sequence looks nothing up unless some page is shared (no per-page count to touch: a
+    /// sequence's pages lie far apart, and each count would be a cache miss).
+    pub(super) extra_refs: HashMap<u32, u32>,
+    /// Pages whose last holder let go this step: free once it is committed.
+    pub(super) pending_pages: Vec<u32>,
+    /// Scratch: a step's new pages.
+    pub(super) fresh_pages: Vec<u32>,
+}
 
-    pub(super) fn set_tail_shared(&mut self, r: usize, shared: bool) {
-        self.tail_shared[r] = shared;
-        if shared && !self.in_shared[r] {
-            self.in_shared[r] = true;
-            self.shared_rows.push(r as u32);
+impl<'a> PageBooks<'a> {
+    /// The books of `store`'s pages, none committed yet.
+    pub(super) fn new(store: Box<dyn PageStore + 'a>) -> PageBooks<'a> {
+        PageBooks {
+            store,
+            free_pages: FreeIds::new(),
+            extra_refs: HashMap::new(),
+            pending_pages: Vec::new(),
+            fresh_pages: Vec::new(),
         }
     }
 
@@ -152,45 +161,44 @@ impl PagedPool<'_> {
         }
         self.pending_pages.push(p);
     }
+}
 
-    /// Whether writing into the row's last page needs a copy first: the page is partly filled
-    /// and held by another sequence too.
-    pub(super) fn tail_needs_copy(&self, r: usize) -> bool {
-        self.len_of(r) % self.cfg.tokens_per_page != 0
-            && self.pages.last(r).is_some_and(|p| self.extra_refs.contains_key(&p))
-    }
+/// This step's changes, as marks the commit turns into the delta: the rows whose lengths and
+/// batch slots changed (stamped with the step, so each is listed once), the token runs that
+/// get slots, and the page copies. The block marks live in `RowBooks::hot`.
+pub(super) struct StepMarks {
+    /// The step's stamp: never 0, so a zeroed stamp is from no step.
+    pub(super) step: u32,
+    /// Rows with block marks this step (the marks are in `RowBooks::hot`).
+    pub(super) blk_rows: Vec<u32>,
+    pub(super) len_stamp: Vec<u32>,
+    pub(super) len_rows: Vec<u32>,
+    /// The step in which the row last had tokens added.
+    pub(super) token_stamp: Vec<u32>,
+    pub(super) bat_stamp: Vec<u32>,
+    pub(super) bat_idx: Vec<u32>,
+    pub(super) runs: Vec<TokenRun>,
+    pub(super) copies: Vec<PageCopy>,
+    /// Copy destination -> its source, this step (a copy of a copy reads the original).
+    pub(super) copied_from: HashMap<u32, u32>,
+    pub(super) explicit_tokens: u32,
+}
 
-    /// Gives the row a private copy of its shared last page.
-    pub(super) fn copy_tail(&mut self, row: u32) {
-        let r = row as usize;
-        let c = self.pages.len(r) - 1;
-        let old = self.pages.get(r)[c];
-        let new = self.take_page();
-        // A page copied earlier this step has the same bytes as its source until the step's
-        // tokens are written, which happens after the commit: read the original, so that the
-        // kernel's copies are independent of one another.
-        let src = self.copied_from.get(&old).copied().unwrap_or(old);
-        self.copies.push(PageCopy { src, dst: new });
-        self.copied_from.insert(new, src);
-        self.drop_ref(old); // shared, so another row still holds it
-        self.pages.set(r, c, new);
-        self.mark_blocks(row, c as u32, c as u32 + 1);
-    }
-
-    pub(super) fn mark_blocks(&mut self, row: u32, lo: u32, hi: u32) {
-        if lo >= hi {
-            return;
-        }
-        let r = row as usize;
-        let h = &mut self.hot[r];
-        if h.blk_stamp != self.step {
-            h.blk_stamp = self.step;
-            h.blk_lo = lo;
-            h.blk_hi = hi;
-            self.blk_rows.push(row);
-        } else {
-            h.blk_lo = h.blk_lo.min(lo);
-            h.blk_hi = h.blk_hi.max(hi);
+impl StepMarks {
+    /// The marks of the first step, for `seqs` rows.
+    pub(super) fn new(seqs: usize) -> StepMarks {
+        StepMarks {
+            step: 1,
+            blk_rows: Vec::new(),
+            len_stamp: vec![0; seqs],
+            len_rows: Vec::new(),
+            token_stamp: vec![0; seqs],
+            bat_stamp: vec![0; seqs],
+            bat_idx: Vec::new(),
+            runs: Vec::new(),
+            copies: Vec::new(),
+            copied_from: HashMap::new(),
+            explicit_tokens: 0,
         }
     }
 
@@ -243,5 +251,147 @@ impl PagedPool<'_> {
         self.token_stamp[row as usize] = self.step;
         self.runs.push(TokenRun { row, start, len, out: self.explicit_tokens });
         self.explicit_tokens += len;
+    }
+}
+
+impl PagedPool<'_> {
+    pub(super) fn check_usable(&self) -> PagedResult<()> {
+        match &self.poisoned {
+            Some(why) => Err(PagedError::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn check_step_tokens(&self, more: u64) -> PagedResult<()> {
+        let requested = self.marks.explicit_tokens as u64 + more;
+        if requested > self.cfg.max_step_tokens as u64 {
+            return Err(PagedError::StepTooLarge { requested, capacity: self.cfg.max_step_tokens });
+        }
+        Ok(())
+    }
+
+    /// Pages per allocator page: the store grows and shrinks by whole granules.
+    pub(super) fn granule_pages(&self) -> u32 {
+        (self.alloc.page_size().div_ceil(self.cfg.page_bytes()) as u32).max(1)
+    }
+
+    /// Makes sure `n` pages can be taken without failing, growing the store if needed. The
+    /// growth is not undone if the request is refused later: it changes no sequence.
+    pub(super) fn ensure_free_pages(&mut self, n: u64) -> PagedResult<()> {
+        let free = self.page_books.free_pages.count() as u64;
+        if n <= free {
+            return Ok(());
+        }
+        let available = free + (self.cfg.max_pages - self.page_books.free_pages.limit()) as u64;
+        if n > available {
+            return Err(PagedError::OutOfPages {
+                needed: n,
+                available,
+                max_pages: self.cfg.max_pages,
+            });
+        }
+        let want = self.page_books.free_pages.limit() as u64 + (n - free);
+        // Grow by at least a quarter of what is committed, by whole granules.
+        let g = self.granule_pages() as u64;
+        let want = want.max(self.page_books.free_pages.limit() as u64 * 5 / 4);
+        let target = (want.div_ceil(g) * g).min(self.cfg.max_pages as u64) as u32;
+        self.page_books.store.resize(target as usize * self.cfg.page_bytes(), self.stream)?;
+        self.page_books.free_pages.grow_to(target);
+        Ok(())
+    }
+
+    /// Gives back the committed memory above the highest page in use. Returns the bytes
+    /// released.
+    pub fn shrink(&mut self) -> PagedResult<u64> {
+        self.check_usable()?;
+        let before = self.page_books.store.committed();
+        let granule = self.granule_pages();
+        let used_top = self.page_books.free_pages.trim_trailing(0);
+        let target = used_top.div_ceil(granule) * granule;
+        let target = target.min(self.cfg.max_pages);
+        // Give the granule's rounding back to the free set.
+        self.page_books.free_pages.grow_to(target);
+        self.page_books.store.resize(target as usize * self.cfg.page_bytes(), self.stream)?;
+        Ok(before.saturating_sub(self.page_books.store.committed()) as u64)
+    }
+
+    /// The token count of row `r` (live).
+    #[inline]
+    pub(super) fn len_of(&self, r: usize) -> u32 {
+        self.rows.hot[r].len_rel.wrapping_add(self.phases.decodes)
+    }
+
+    /// The phase bucket of a live row of length `len`.
+    pub(super) fn bucket_for(&self, len: u32) -> u32 {
+        let t = self.cfg.tokens_per_page;
+        let key = (len % t + t - self.phases.decode_phase) % t;
+        key % self.phases.phase_rows.len() as u32
+    }
+
+    /// The bucket holding the rows whose length is a whole number of pages.
+    pub(super) fn due_bucket(&self) -> usize {
+        self.bucket_for(0) as usize
+    }
+
+    /// Gives a row that just became live its length, and puts it in its bucket.
+    pub(super) fn place(&mut self, row: u32, len: u32) {
+        let r = row as usize;
+        self.rows.hot[r].len_rel = len.wrapping_sub(self.phases.decodes);
+        let b = self.bucket_for(len);
+        self.phases.phase_bucket[r] = b;
+        self.phases.phase_pos[r] = self.phases.phase_rows[b as usize].len() as u32;
+        self.phases.phase_rows[b as usize].push(row);
+    }
+
+    /// Changes a live row's length (not by a decode step).
+    pub(super) fn set_len(&mut self, row: u32, len: u32) {
+        let r = row as usize;
+        if self.bucket_for(len) == self.phases.phase_bucket[r] {
+            self.rows.hot[r].len_rel = len.wrapping_sub(self.phases.decodes);
+        } else {
+            self.phases.unplace(row);
+            self.place(row, len);
+        }
+    }
+
+    /// Whether writing into the row's last page needs a copy first: the page is partly filled
+    /// and held by another sequence too.
+    pub(super) fn tail_needs_copy(&self, r: usize) -> bool {
+        self.len_of(r) % self.cfg.tokens_per_page != 0
+            && self.rows.pages.last(r).is_some_and(|p| self.page_books.extra_refs.contains_key(&p))
+    }
+
+    /// Gives the row a private copy of its shared last page.
+    pub(super) fn copy_tail(&mut self, row: u32) {
+        let r = row as usize;
+        let c = self.rows.pages.len(r) - 1;
+        let old = self.rows.pages.get(r)[c];
+        let new = self.page_books.take_page();
+        // A page copied earlier this step has the same bytes as its source until the step's
+        // tokens are written, which happens after the commit: read the original, so that the
+        // kernel's copies are independent of one another.
+        let src = self.marks.copied_from.get(&old).copied().unwrap_or(old);
+        self.marks.copies.push(PageCopy { src, dst: new });
+        self.marks.copied_from.insert(new, src);
+        self.page_books.drop_ref(old); // shared, so another row still holds it
+        self.rows.pages.set(r, c, new);
+        self.mark_blocks(row, c as u32, c as u32 + 1);
+    }
+
+    pub(super) fn mark_blocks(&mut self, row: u32, lo: u32, hi: u32) {
+        if lo >= hi {
+            return;
+        }
+        let r = row as usize;
+        let h = &mut self.rows.hot[r];
+        if h.blk_stamp != self.marks.step {
+            h.blk_stamp = self.marks.step;
+            h.blk_lo = lo;
+            h.blk_hi = hi;
+            self.marks.blk_rows.push(row);
+        } else {
+            h.blk_lo = h.blk_lo.min(lo);
+            h.blk_hi = h.blk_hi.max(hi);
+        }
     }
 }

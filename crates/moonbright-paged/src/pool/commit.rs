@@ -1,14 +1,32 @@
 //! The commit of a step: its marks become the [`Delta`], freed rows and pages become reusable,
 //! and the delta is applied to the tables, by the kernels (`device.rs`) or, on the host backend,
-//! by the reference on host copies written to the pool's memory.
+//! by the reference on host copies written to the pool's memory (`Tables`: the tables' memory,
+//! the last delta and its applier).
 
-use moonbright::Allocator;
+use moonbright::{Allocator, DevicePtr};
 
-use super::{Applier, PagedPool};
+use super::PagedPool;
 use crate::config::{PagedConfig, TablePointers};
 use crate::delta::{Delta, TableOp, OP_BATCH, OP_BLOCK, OP_CLEAR, OP_LEN};
+use crate::device::DeviceTables;
 use crate::error::{PagedError, PagedResult};
 use crate::reference::HostTables;
+
+/// Who applies the deltas: kernels on the GPU, or the reference on host memory.
+pub(super) enum Applier {
+    Device(DeviceTables),
+    Host(HostTables),
+}
+
+/// The tables' side of the pool: their memory (fixed for the pool's life), the delta of the
+/// last commit, and who applies it.
+pub(super) struct Tables {
+    pub(super) applier: Applier,
+    pub(super) ptrs: TablePointers,
+    /// The step kernel's block counters (`SYNC_BYTES`, zero between launches; see kernels.cu).
+    pub(super) sync: DevicePtr,
+    pub(super) delta: Delta,
+}
 
 impl PagedPool<'_> {
     /// Commits the step without decode tokens: ships the delta and launches the kernels (or
@@ -33,19 +51,19 @@ impl PagedPool<'_> {
     pub(super) fn commit(&mut self, decode: bool) -> PagedResult<&Delta> {
         self.close_step(decode);
         self.apply_delta()?;
-        Ok(&self.delta)
+        Ok(&self.tables.delta)
     }
 
     /// Turns this step's marks into the delta and returns freed rows and pages to their free
     /// sets: the host side of a commit. Cannot fail.
     pub(super) fn close_step(&mut self, decode: bool) {
         let m = self.cfg.max_pages_per_seq;
-        let d = &mut self.delta;
+        let d = &mut self.tables.delta;
         d.clear();
-        for &row in &self.blk_rows {
+        for &row in &self.marks.blk_rows {
             let r = row as usize;
-            let pages = self.pages.get(r);
-            let (lo, hi) = (self.hot[r].blk_lo, self.hot[r].blk_hi);
+            let pages = self.rows.pages.get(r);
+            let (lo, hi) = (self.rows.hot[r].blk_lo, self.rows.hot[r].blk_hi);
             // Columns the row holds get their page; those past its end are cleared in one op.
             let held = (pages.len() as u32).clamp(lo, hi);
             for c in lo..held {
@@ -57,54 +75,56 @@ impl PagedPool<'_> {
                 d.ops.push(TableOp { kind: OP_CLEAR, index, value: (hi - held) as i32 });
             }
         }
-        for &row in &self.len_rows {
+        for &row in &self.marks.len_rows {
             let r = row as usize;
             // The decode kernel adds the decode token itself. A freed row's length is 0.
-            let len = self.hot[r].len_rel.wrapping_add(self.decodes);
-            let value = if self.live[r] { len - decode as u32 } else { 0 };
+            let len = self.rows.hot[r].len_rel.wrapping_add(self.phases.decodes);
+            let value = if self.rows.live[r] { len - decode as u32 } else { 0 };
             d.ops.push(TableOp { kind: OP_LEN, index: row, value: value as i32 });
         }
-        for &i in &self.bat_idx {
-            if let Some(&row) = self.batch.get(i as usize) {
+        for &i in &self.marks.bat_idx {
+            if let Some(&row) = self.rows.batch.get(i as usize) {
                 d.ops.push(TableOp { kind: OP_BATCH, index: i, value: row as i32 });
             }
         }
-        std::mem::swap(&mut d.runs, &mut self.runs);
-        std::mem::swap(&mut d.copies, &mut self.copies);
-        d.explicit_tokens = self.explicit_tokens;
-        d.decode_rows = if decode { self.batch.len() as u32 } else { 0 };
+        std::mem::swap(&mut d.runs, &mut self.marks.runs);
+        std::mem::swap(&mut d.copies, &mut self.marks.copies);
+        d.explicit_tokens = self.marks.explicit_tokens;
+        d.decode_rows = if decode { self.rows.batch.len() as u32 } else { 0 };
         // The step is closed: its freed rows and pages become reusable.
-        for row in self.pending_rows.drain(..) {
-            self.free_rows.insert(row);
+        for row in self.rows.pending_rows.drain(..) {
+            self.rows.free_rows.insert(row);
         }
-        for p in self.pending_pages.drain(..) {
-            self.free_pages.insert(p);
+        for p in self.page_books.pending_pages.drain(..) {
+            self.page_books.free_pages.insert(p);
         }
-        self.step = self.step.wrapping_add(1).max(1);
-        if self.step == 1 {
+        self.marks.step = self.marks.step.wrapping_add(1).max(1);
+        if self.marks.step == 1 {
             // The stamps wrapped around: forget them all.
-            self.hot.iter_mut().for_each(|h| h.blk_stamp = 0);
-            self.len_stamp.iter_mut().for_each(|s| *s = 0);
-            self.bat_stamp.iter_mut().for_each(|s| *s = 0);
-            self.token_stamp.iter_mut().for_each(|s| *s = 0);
+            self.rows.hot.iter_mut().for_each(|h| h.blk_stamp = 0);
+            self.marks.len_stamp.iter_mut().for_each(|s| *s = 0);
+            self.marks.bat_stamp.iter_mut().for_each(|s| *s = 0);
+            self.marks.token_stamp.iter_mut().for_each(|s| *s = 0);
         }
-        self.blk_rows.clear();
-        self.len_rows.clear();
-        self.bat_idx.clear();
-        self.runs.clear();
-        self.copies.clear();
-        self.copied_from.clear();
-        self.explicit_tokens = 0;
+        self.marks.blk_rows.clear();
+        self.marks.len_rows.clear();
+        self.marks.bat_idx.clear();
+        self.marks.runs.clear();
+        self.marks.copies.clear();
+        self.marks.copied_from.clear();
+        self.marks.explicit_tokens = 0;
     }
 
     /// Ships the delta of [`close_step`](Self::close_step) to the tables (kernels, or the host
     /// reference). A failure poisons the pool.
     pub(super) fn apply_delta(&mut self) -> PagedResult<()> {
-        let applied = match &mut self.applier {
-            Applier::Device(t) => {
-                t.launch(&self.delta, &self.ptrs, &self.cfg).map_err(PagedError::Device)
+        let applied = match &mut self.tables.applier {
+            Applier::Device(t) => t
+                .launch(&self.tables.delta, &self.tables.ptrs, &self.cfg)
+                .map_err(PagedError::Device),
+            Applier::Host(h) => {
+                apply_on_host(self.alloc, h, &self.tables.delta, &self.tables.ptrs, &self.cfg)
             }
-            Applier::Host(h) => apply_on_host(self.alloc, h, &self.delta, &self.ptrs, &self.cfg),
         };
         if let Err(e) = applied {
             self.poisoned = Some(e.to_string());

@@ -32,7 +32,7 @@ impl PagedPool<'_> {
     #[doc(hidden)]
     pub fn bench_close_step(&mut self) -> &Delta {
         self.close_step(true);
-        &self.delta
+        &self.tables.delta
     }
 
     /// The third stage of [`bench_decode_tokens`](Self::bench_decode_tokens).
@@ -53,12 +53,12 @@ impl PagedPool<'_> {
         let mut starting = 0u64;
         let mut too_long = false;
         let mut probe = 0u32;
-        for &row in &self.phase_rows[b] {
+        for &row in &self.phases.phase_rows[b] {
             let len = self.len_of(row as usize);
             if len % t == 0 {
                 too_long |= len as u64 >= max;
                 starting += 1;
-                probe ^= self.pages.next_cell(row as usize);
+                probe ^= self.rows.pages.next_cell(row as usize);
             }
         }
         std::hint::black_box(probe);
@@ -66,62 +66,64 @@ impl PagedPool<'_> {
         if too_long {
             // Name the first such row in batch order.
             let row = *self
+                .rows
                 .batch
                 .iter()
                 .find(|&&r| self.len_of(r as usize) as u64 >= max)
                 .expect("found above");
             let r = row as usize;
             return Err(PagedError::SequenceTooLong {
-                seq: SeqId::new(row, self.generation[r]),
+                seq: SeqId::new(row, self.rows.generation[r]),
                 requested: self.len_of(r) as u64 + 1,
                 max,
             });
         }
-        for &row in &self.shared_rows {
+        for &row in &self.rows.shared_rows {
             let r = row as usize;
-            if self.tail_shared[r] && self.tail_needs_copy(r) {
+            if self.rows.tail_shared[r] && self.tail_needs_copy(r) {
                 need += 1;
             }
         }
-        self.check_step_tokens(self.batch.len() as u64)?;
+        self.check_step_tokens(self.rows.batch.len() as u64)?;
         self.ensure_free_pages(need)?;
         // Nothing can fail from here on.
-        let due = std::mem::take(&mut self.phase_rows[b]);
-        let mut fresh = std::mem::take(&mut self.fresh_pages);
+        let due = std::mem::take(&mut self.phases.phase_rows[b]);
+        let mut fresh = std::mem::take(&mut self.page_books.fresh_pages);
         fresh.clear();
-        self.take_pages(starting as u32, &mut fresh);
+        self.page_books.take_pages(starting as u32, &mut fresh);
         let mut fresh_pages = fresh.iter();
         for &row in &due {
             let r = row as usize;
             let len = self.len_of(r);
             if len % t == 0 {
                 let p = *fresh_pages.next().expect("one page per row starting one");
-                self.pages.push(r, p);
+                self.rows.pages.push(r, p);
                 let c = len / t;
                 self.mark_blocks(row, c, c + 1);
             }
         }
-        self.phase_rows[b] = due;
-        self.fresh_pages = fresh;
-        let mut shared = std::mem::take(&mut self.shared_rows);
+        self.phases.phase_rows[b] = due;
+        self.page_books.fresh_pages = fresh;
+        let mut shared = std::mem::take(&mut self.rows.shared_rows);
         shared.retain(|&row| {
             let r = row as usize;
             // A row starting a page writes into its new private page: it keeps the mark, to be
             // looked at again in the next step.
-            if self.tail_shared[r] && self.len_of(r) % t == 0 {
+            if self.rows.tail_shared[r] && self.len_of(r) % t == 0 {
                 return true;
             }
-            if self.tail_shared[r] && self.tail_needs_copy(r) {
+            if self.rows.tail_shared[r] && self.tail_needs_copy(r) {
                 self.copy_tail(row);
             }
-            self.tail_shared[r] = false;
-            self.in_shared[r] = false;
+            self.rows.tail_shared[r] = false;
+            self.rows.in_shared[r] = false;
             false
         });
-        self.shared_rows = shared;
+        self.rows.shared_rows = shared;
         // Every live row grows by one token.
-        self.decodes = self.decodes.wrapping_add(1);
-        self.decode_phase = if self.decode_phase + 1 == t { 0 } else { self.decode_phase + 1 };
+        self.phases.decodes = self.phases.decodes.wrapping_add(1);
+        self.phases.decode_phase =
+            if self.phases.decode_phase + 1 == t { 0 } else { self.phases.decode_phase + 1 };
         Ok(())
     }
 }

@@ -10,10 +10,10 @@ impl PagedPool<'_> {
     /// A new sequence of `prompt_len` tokens (written this step: they get slots).
     pub fn add(&mut self, prompt_len: u32) -> PagedResult<SeqId> {
         self.check_usable()?;
-        let Some(row) = self.peek_free_row() else {
+        let Some(row) = self.rows.peek_free_row() else {
             return Err(PagedError::TooManySequences { max_seqs: self.cfg.max_seqs });
         };
-        let next = SeqId::new(row, self.generation[row as usize] + 1);
+        let next = SeqId::new(row, self.rows.generation[row as usize] + 1);
         if prompt_len as u64 > self.cfg.max_seq_len() {
             return Err(PagedError::SequenceTooLong {
                 seq: next,
@@ -25,26 +25,26 @@ impl PagedPool<'_> {
         let np = prompt_len.div_ceil(self.cfg.tokens_per_page);
         self.ensure_free_pages(np as u64)?;
         // Nothing can fail from here on.
-        let row = self.free_rows.pop_lowest().expect("peeked");
+        let row = self.rows.free_rows.pop_lowest().expect("peeked");
         let r = row as usize;
-        self.generation[r] += 1;
-        self.live[r] = true;
-        self.live_rows += 1;
+        self.rows.generation[r] += 1;
+        self.rows.live[r] = true;
+        self.rows.live_rows += 1;
         self.place(row, prompt_len);
-        self.tail_shared[r] = false;
-        let mut fresh = std::mem::take(&mut self.fresh_pages);
+        self.rows.tail_shared[r] = false;
+        let mut fresh = std::mem::take(&mut self.page_books.fresh_pages);
         fresh.clear();
-        self.take_pages(np, &mut fresh);
-        self.pages.truncate(r, 0);
-        self.pages.extend(r, &fresh);
-        self.fresh_pages = fresh;
-        self.batch_pos[r] = self.batch.len() as u32;
-        self.batch.push(row);
-        self.mark_batch(self.batch.len() as u32 - 1);
+        self.page_books.take_pages(np, &mut fresh);
+        self.rows.pages.truncate(r, 0);
+        self.rows.pages.extend(r, &fresh);
+        self.page_books.fresh_pages = fresh;
+        self.rows.batch_pos[r] = self.rows.batch.len() as u32;
+        self.rows.batch.push(row);
+        self.marks.mark_batch(self.rows.batch.len() as u32 - 1);
         self.mark_blocks(row, 0, np);
-        self.mark_len(row);
-        self.push_run(row, 0, prompt_len);
-        Ok(SeqId::new(row, self.generation[r]))
+        self.marks.mark_len(row);
+        self.marks.push_run(row, 0, prompt_len);
+        Ok(SeqId::new(row, self.rows.generation[r]))
     }
 
     /// Adds `n` tokens to `seq` (written this step: they get slots). Copies its last page first
@@ -74,15 +74,15 @@ impl PagedPool<'_> {
         if cow {
             self.copy_tail(row);
         }
-        self.tail_shared[r] = false;
+        self.rows.tail_shared[r] = false;
         for _ in cur_np..new_np {
-            let p = self.take_page();
-            self.pages.push(r, p);
+            let p = self.page_books.take_page();
+            self.rows.pages.push(r, p);
         }
         self.mark_blocks(row, cur_np, new_np);
         self.set_len(row, new_len as u32);
-        self.mark_len(row);
-        self.push_run(row, len, n);
+        self.marks.mark_len(row);
+        self.marks.push_run(row, len, n);
         Ok(())
     }
 
@@ -90,35 +90,35 @@ impl PagedPool<'_> {
     pub fn fork(&mut self, parent: SeqId) -> PagedResult<SeqId> {
         self.check_usable()?;
         let prow = self.live_row(parent, "fork")? as usize;
-        if self.token_stamp[prow] == self.step {
+        if self.marks.token_stamp[prow] == self.marks.step {
             return Err(PagedError::ForkOfUncommitted(parent));
         }
-        if self.peek_free_row().is_none() {
+        if self.rows.peek_free_row().is_none() {
             return Err(PagedError::TooManySequences { max_seqs: self.cfg.max_seqs });
         }
-        let row = self.free_rows.pop_lowest().expect("peeked");
+        let row = self.rows.free_rows.pop_lowest().expect("peeked");
         let r = row as usize;
-        self.generation[r] += 1;
-        self.live[r] = true;
-        self.live_rows += 1;
+        self.rows.generation[r] += 1;
+        self.rows.live[r] = true;
+        self.rows.live_rows += 1;
         let len = self.len_of(prow);
         self.place(row, len);
-        self.pages.copy_row(prow, r);
-        for &p in self.pages.get(r) {
-            *self.extra_refs.entry(p).or_insert(0) += 1;
+        self.rows.pages.copy_row(prow, r);
+        for &p in self.rows.pages.get(r) {
+            *self.page_books.extra_refs.entry(p).or_insert(0) += 1;
         }
-        let np = self.pages.len(r) as u32;
+        let np = self.rows.pages.len(r) as u32;
         let partial = len % self.cfg.tokens_per_page != 0;
-        self.set_tail_shared(r, partial);
+        self.rows.set_tail_shared(r, partial);
         if partial {
-            self.set_tail_shared(prow, true);
+            self.rows.set_tail_shared(prow, true);
         }
-        self.batch_pos[r] = self.batch.len() as u32;
-        self.batch.push(row);
-        self.mark_batch(self.batch.len() as u32 - 1);
+        self.rows.batch_pos[r] = self.rows.batch.len() as u32;
+        self.rows.batch.push(row);
+        self.marks.mark_batch(self.rows.batch.len() as u32 - 1);
         self.mark_blocks(row, 0, np);
-        self.mark_len(row);
-        Ok(SeqId::new(row, self.generation[r]))
+        self.marks.mark_len(row);
+        Ok(SeqId::new(row, self.rows.generation[r]))
     }
 
     /// Shortens `seq` to `new_len` tokens, releasing the pages past it.
@@ -131,20 +131,20 @@ impl PagedPool<'_> {
             return Err(PagedError::BadTruncate { seq, len, new_len });
         }
         let keep = new_len.div_ceil(self.cfg.tokens_per_page);
-        let old_np = self.pages.len(r) as u32;
+        let old_np = self.rows.pages.len(r) as u32;
         for c in keep..old_np {
-            self.drop_ref(self.pages.get(r)[c as usize]);
+            self.page_books.drop_ref(self.rows.pages.get(r)[c as usize]);
         }
-        self.pages.truncate(r, keep as usize);
+        self.rows.pages.truncate(r, keep as usize);
         self.mark_blocks(row, keep, old_np);
-        if self.token_stamp[r] == self.step {
-            self.clip_runs(row, new_len);
+        if self.marks.token_stamp[r] == self.marks.step {
+            self.marks.clip_runs(row, new_len);
         }
         self.set_len(row, new_len);
         let shared = new_len % self.cfg.tokens_per_page != 0
-            && self.pages.last(r).is_some_and(|p| self.extra_refs.contains_key(&p));
-        self.set_tail_shared(r, shared);
-        self.mark_len(row);
+            && self.rows.pages.last(r).is_some_and(|p| self.page_books.extra_refs.contains_key(&p));
+        self.rows.set_tail_shared(r, shared);
+        self.marks.mark_len(row);
         Ok(())
     }
 
@@ -154,25 +154,25 @@ impl PagedPool<'_> {
         self.check_usable()?;
         let row = self.live_row(seq, "free")?;
         let r = row as usize;
-        let np = self.pages.len(r) as u32;
+        let np = self.rows.pages.len(r) as u32;
         for c in 0..np {
-            self.drop_ref(self.pages.get(r)[c as usize]);
+            self.page_books.drop_ref(self.rows.pages.get(r)[c as usize]);
         }
-        self.pages.truncate(r, 0);
+        self.rows.pages.truncate(r, 0);
         self.mark_blocks(row, 0, np);
-        self.unplace(row);
-        self.live[r] = false;
-        self.live_rows -= 1;
-        self.tail_shared[r] = false;
-        self.mark_len(row);
-        let i = self.batch_pos[r];
-        let last = self.batch.pop().expect("a live row is in the batch");
+        self.phases.unplace(row);
+        self.rows.live[r] = false;
+        self.rows.live_rows -= 1;
+        self.rows.tail_shared[r] = false;
+        self.marks.mark_len(row);
+        let i = self.rows.batch_pos[r];
+        let last = self.rows.batch.pop().expect("a live row is in the batch");
         if last != row {
-            self.batch[i as usize] = last;
-            self.batch_pos[last as usize] = i;
-            self.mark_batch(i);
+            self.rows.batch[i as usize] = last;
+            self.rows.batch_pos[last as usize] = i;
+            self.marks.mark_batch(i);
         }
-        self.pending_rows.push(row);
+        self.rows.pending_rows.push(row);
         Ok(())
     }
 }

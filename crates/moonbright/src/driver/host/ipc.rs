@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use super::{err, os_err, sys, Chunk, HostDriver};
+use super::memory::Chunk;
+use super::{err, os_err, sys, HostDriver};
 use crate::driver::{code, CallKind, ChunkHandle, DriverResult, Ipc, SharedChunk};
 
 impl Ipc for HostDriver {
@@ -14,7 +15,7 @@ impl Ipc for HostDriver {
         let call = CallKind::Export;
         let mut st = self.lock();
         let st = &mut *st;
-        let chunk = match st.chunks.get_mut(&handle.0) {
+        let chunk = match st.memory.chunks.get_mut(&handle.0) {
             Some(c) if !c.released => c,
             _ => {
                 return Err(err(
@@ -34,7 +35,7 @@ impl Ipc for HostDriver {
                 ),
             ));
         }
-        let file = chunk.imported.as_deref().unwrap_or(&st.fd);
+        let file = chunk.imported.as_deref().unwrap_or(&st.memory.fd);
         let fd = file.try_clone().map_err(|e| os_err(call, "export_chunk: dup", e))?;
         chunk.exported = true;
         Ok(SharedChunk { fd, offset: chunk.offset, size: chunk.size })
@@ -64,9 +65,8 @@ impl Ipc for HostDriver {
         }
         let fd = shared.fd.try_clone().map_err(|e| os_err(call, "import_chunk: dup", e))?;
         let mut st = self.lock();
-        let id = st.next_chunk;
-        st.next_chunk += 1;
-        st.chunks.insert(id, Chunk { imported: Some(Arc::new(fd)), ..Chunk::new(offset, size) });
+        let chunk = Chunk { imported: Some(Arc::new(fd)), ..Chunk::new(offset, size) };
+        let id = st.memory.add_chunk(chunk);
         Ok(ChunkHandle(id))
     }
 

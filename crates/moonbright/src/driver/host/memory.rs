@@ -1,54 +1,74 @@
-//! The host backend's memory model: the memfd's offsets (first fit, coalesced, punched when
-//! freed), chunks' lifetimes, and the lookups of reservations, mappings and accessible spans.
+//! The host backend's physical memory (`Memory`): the memfd's offsets (first fit, coalesced,
+//! punched when freed) and chunks' lifetimes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
-use super::{err, sys, Mapping, State};
-use crate::driver::{code, CallKind, DevicePtr, DriverResult};
+use super::sys;
 
-/// Adds `[start, end)` to a set of disjoint, coalesced spans (start -> end).
-pub(super) fn add_span(spans: &mut BTreeMap<u64, u64>, mut start: u64, mut end: u64) {
-    if let Some((&s, &e)) = spans.range(..=start).next_back() {
-        if e >= start {
-            spans.remove(&s);
-            start = s;
-            end = end.max(e);
-        }
-    }
-    let inside: Vec<(u64, u64)> = spans.range(start..=end).map(|(&s, &e)| (s, e)).collect();
-    for (s, e) in inside {
-        spans.remove(&s);
-        end = end.max(e);
-    }
-    spans.insert(start, end);
+/// The physical memory: one sparse memfd whose offsets are handed to chunks.
+#[derive(Debug)]
+pub(super) struct Memory {
+    pub(super) fd: OwnedFd,
+    /// The memfd's size; grows only, since holes cost nothing.
+    pub(super) file_len: u64,
+    /// Everything at or past this offset is unused.
+    pub(super) file_end: u64,
+    /// Unused offset ranges below `file_end`: start -> length, disjoint and coalesced.
+    pub(super) free_offsets: BTreeMap<u64, u64>,
+    pub(super) next_chunk: u64,
+    pub(super) chunks: HashMap<u64, Chunk>,
+    pub(super) live_chunk_bytes: u64,
 }
 
-/// Removes `[start, end)` from a set of spans.
-pub(super) fn remove_span(spans: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
-    if let Some((&s, &e)) = spans.range(..start).next_back() {
-        if e > start {
-            spans.insert(s, start);
-            if e > end {
-                spans.insert(end, e);
-            }
-        }
-    }
-    let inside: Vec<(u64, u64)> = spans.range(start..end).map(|(&s, &e)| (s, e)).collect();
-    for (s, e) in inside {
-        spans.remove(&s);
-        if e > end {
-            spans.insert(end, e);
-        }
+/// A physical chunk: a range of memfd offsets.
+#[derive(Debug)]
+pub(super) struct Chunk {
+    pub(super) offset: u64,
+    pub(super) size: u64,
+    /// How many mappings show this chunk now.
+    pub(super) maps: usize,
+    /// `release_chunk` was called; the chunk goes at its last unmap.
+    pub(super) released: bool,
+    /// Imported from another backend (`import_chunk`): the file its bytes are in, which is not
+    /// this backend's memfd, and whose space this backend neither counts nor frees.
+    pub(super) imported: Option<Arc<OwnedFd>>,
+    /// Exported (`export_chunk`): another process may map its offsets for as long as it likes,
+    /// so once released they are neither punched nor given to a new chunk (CUDA keeps an
+    /// exported chunk's memory until its importers release it too).
+    pub(super) exported: bool,
+}
+
+impl Chunk {
+    pub(super) fn new(offset: u64, size: u64) -> Chunk {
+        Chunk { offset, size, maps: 0, released: false, imported: None, exported: false }
     }
 }
 
-/// Whether one span covers `[start, end)`.
-pub(super) fn covers(spans: &BTreeMap<u64, u64>, start: u64, end: u64) -> bool {
-    matches!(spans.range(..=start).next_back(), Some((_, &e)) if e >= end)
-}
+impl Memory {
+    /// No chunks yet, on the empty memfd `fd`.
+    pub(super) fn new(fd: OwnedFd) -> Memory {
+        Memory {
+            fd,
+            file_len: 0,
+            file_end: 0,
+            free_offsets: BTreeMap::new(),
+            next_chunk: 1,
+            chunks: HashMap::new(),
+            live_chunk_bytes: 0,
+        }
+    }
 
-impl State {
+    /// Books `chunk` under a new id.
+    pub(super) fn add_chunk(&mut self, chunk: Chunk) -> u64 {
+        let id = self.next_chunk;
+        self.next_chunk += 1;
+        self.chunks.insert(id, chunk);
+        id
+    }
+
     /// First fit among freed offsets, else the end of the file (grown as needed).
     pub(super) fn alloc_offsets(&mut self, size: u64) -> io::Result<u64> {
         let fit = self.free_offsets.iter().find(|(_, &len)| len >= size).map(|(&s, &l)| (s, l));
@@ -103,73 +123,5 @@ impl State {
             let _ = sys::punch_hole(&self.fd, c.offset, c.size);
             self.free_offsets(c.offset, c.size);
         }
-    }
-
-    /// The reservation holding all of `[va, end)`, if one does.
-    pub(super) fn reservation_of(&self, va: u64, end: u64) -> Option<(u64, u64)> {
-        let (&base, &size) = self.reservations.range(..=va).next_back()?;
-        (end <= base + size).then_some((base, size))
-    }
-
-    /// The mapping holding byte `va`, if one does.
-    pub(super) fn mapping_at(&self, va: u64) -> Option<(u64, Mapping)> {
-        let (&start, &m) = self.mappings.range(..=va).next_back()?;
-        (va < start + m.size).then_some((start, m))
-    }
-
-    pub(super) fn any_mapped_in(&self, va: u64, end: u64) -> bool {
-        self.mapping_at(va).is_some() || self.mappings.range(va..end).next().is_some()
-    }
-
-    /// Whether consecutive mappings cover `[va, end)` with no gap; the first byte not covered
-    /// otherwise.
-    pub(super) fn covered(&self, va: u64, end: u64) -> Result<(), u64> {
-        let (start, m) = self.mapping_at(va).ok_or(va)?;
-        let mut cur = start + m.size;
-        while cur < end {
-            cur += self.mappings.get(&cur).ok_or(cur)?.size;
-        }
-        Ok(())
-    }
-
-    /// Makes `[start, end)` accessible to this device and to `peers`.
-    pub(super) fn add_accessible(&mut self, start: u64, end: u64, peers: &[i32]) {
-        add_span(&mut self.accessible, start, end);
-        for p in peers {
-            add_span(self.peer_accessible.entry(*p).or_default(), start, end);
-        }
-    }
-
-    /// Makes `[start, end)` accessible to no device (it is being unmapped).
-    pub(super) fn remove_accessible(&mut self, start: u64, end: u64) {
-        remove_span(&mut self.accessible, start, end);
-        for spans in self.peer_accessible.values_mut() {
-            remove_span(spans, start, end);
-        }
-    }
-
-    pub(super) fn is_accessible(&self, start: u64, end: u64) -> bool {
-        covers(&self.accessible, start, end)
-    }
-
-    /// Checks that `[addr, addr + len)` may be copied to or from.
-    pub(super) fn check_copy(&self, addr: DevicePtr, len: usize) -> DriverResult<()> {
-        let end = addr.checked_add(len as u64).ok_or_else(|| {
-            err(
-                CallKind::Copy,
-                code::INVALID_VALUE,
-                format!("copy: range {addr:#x} + {len} overflows"),
-            )
-        })?;
-        if !self.is_accessible(addr, end) {
-            return Err(err(
-                CallKind::Copy,
-                code::INVALID_VALUE,
-                format!(
-                    "copy: [{addr:#x}, {end:#x}) is not accessible: map it and call set_access on it first"
-                ),
-            ));
-        }
-        Ok(())
     }
 }

@@ -1,9 +1,10 @@
 //! The host backend: a CPU model of the CUDA virtual-memory API that holds real bytes at real host
-//! addresses. This file owns the driver's state (one sparse memfd as the "physical memory", the
-//! virtual reservations carved from the process address space, the mapping table, simulated
-//! streams and events) and its test hooks; beside it `memory` (offsets, chunks, spans), `vm`
-//! (virtual memory, peers, copies), `streams` (streams, events, capture), `ipc` (export and
-//! import), `sys` (the system calls) and `costs` (the driver costs it may charge).
+//! addresses. This file owns the driver's state under one lock and its test hooks; the state's
+//! parts live beside it: `memory` (one sparse memfd as the "physical memory": offsets, chunks),
+//! `vm` (the address space: reservations carved from the process's, mappings, accessible spans;
+//! and the virtual-memory calls, peers, copies), `streams` (simulated streams, events, capture);
+//! with `ipc` (export and import), `sys` (the system calls) and `costs` (the driver costs it
+//! may charge).
 
 mod costs;
 mod ipc;
@@ -14,15 +15,15 @@ mod sys;
 mod tests;
 mod vm;
 
-use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io;
-use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use super::{code, CallKind, DevicePtr, DriverError, DriverResult, Kernels, StreamHandle};
 use costs::{Charged, Costs};
-use memory::covers;
+use memory::Memory;
+use streams::StreamModel;
+use vm::{covers, AddressSpace};
 
 pub use costs::{cuda_costs, device_table_costs, HostDriverCosts};
 
@@ -61,78 +62,15 @@ pub struct HostDriver {
     costs: Costs,
 }
 
-/// A physical chunk: a range of memfd offsets.
-#[derive(Debug)]
-struct Chunk {
-    offset: u64,
-    size: u64,
-    /// How many mappings show this chunk now.
-    maps: usize,
-    /// `release_chunk` was called; the chunk goes at its last unmap.
-    released: bool,
-    /// Imported from another backend (`import_chunk`): the file its bytes are in, which is not
-    /// this backend's memfd, and whose space this backend neither counts nor frees.
-    imported: Option<Arc<OwnedFd>>,
-    /// Exported (`export_chunk`): another process may map its offsets for as long as it likes,
-    /// so once released they are neither punched nor given to a new chunk (CUDA keeps an
-    /// exported chunk's memory until its importers release it too).
-    exported: bool,
-}
-
-impl Chunk {
-    fn new(offset: u64, size: u64) -> Chunk {
-        Chunk { offset, size, maps: 0, released: false, imported: None, exported: false }
-    }
-}
-
-/// One `map` call's worth of address space.
-#[derive(Debug, Clone, Copy)]
-struct Mapping {
-    size: u64,
-    chunk: u64,
-}
-
-/// Where an event's last record stands.
-#[derive(Debug, Clone, Copy)]
-enum EventState {
-    /// Never recorded, or recorded on a stream that was not held: done.
-    Done,
-    /// Recorded on `stream` during its hold `hold`: done once that hold ends.
-    Pending { stream: u64, hold: u64 },
-}
-
+/// The driver's state, under `HostDriver`'s lock.
 #[derive(Debug)]
 struct State {
-    fd: OwnedFd,
-    /// The memfd's size; grows only, since holes cost nothing.
-    file_len: u64,
-    /// Everything at or past this offset is unused.
-    file_end: u64,
-    /// Unused offset ranges below `file_end`: start -> length, disjoint and coalesced.
-    free_offsets: BTreeMap<u64, u64>,
-    next_chunk: u64,
-    chunks: HashMap<u64, Chunk>,
-    live_chunk_bytes: u64,
-    /// base -> size.
-    reservations: BTreeMap<u64, u64>,
-    /// va -> mapping; mappings never overlap.
-    mappings: BTreeMap<u64, Mapping>,
-    /// Accessible ranges: start -> end, disjoint and coalesced; always inside mappings.
-    accessible: BTreeMap<u64, u64>,
-    /// Ranges each peer was granted access to, as `accessible`.
-    peer_accessible: HashMap<i32, BTreeMap<u64, u64>>,
-    next_stream: u64,
-    /// stream -> the token of its current hold, if held.
-    streams: HashMap<u64, Option<u64>>,
-    next_hold: u64,
-    next_event: u64,
-    events: HashMap<u64, EventState>,
-    /// Streams a test has put into graph capture, with their capture's id.
-    capturing: HashMap<u64, u64>,
-    next_capture: u64,
-    /// How long `synchronize_event` waits for a held stream's hold to end (another thread of a
-    /// test ends it) before it refuses; zero refuses at once.
-    sync_wait: std::time::Duration,
+    /// The physical memory: the memfd, its offsets, and the chunks carved from them.
+    memory: Memory,
+    /// The address space: reservations, mappings, and who may access what.
+    space: AddressSpace,
+    /// The simulated streams and events, and the graph captures tests announce.
+    streams: StreamModel,
 }
 
 /// Devices the host backend models: it is device 0, and every other can be its peer.
@@ -177,31 +115,13 @@ impl HostDriver {
         let fd = sys::memfd().map_err(|e| {
             err(CallKind::MemInfo, code::NOT_INITIALIZED, format!("memfd_create failed: {e}"))
         })?;
-        let mut streams = HashMap::new();
-        streams.insert(StreamHandle::DEFAULT.0, None);
         Ok(HostDriver {
             page_size: ps,
             capacity: config.capacity,
             state: Mutex::new(State {
-                fd,
-                file_len: 0,
-                file_end: 0,
-                free_offsets: BTreeMap::new(),
-                next_chunk: 1,
-                chunks: HashMap::new(),
-                live_chunk_bytes: 0,
-                reservations: BTreeMap::new(),
-                mappings: BTreeMap::new(),
-                accessible: BTreeMap::new(),
-                peer_accessible: HashMap::new(),
-                next_stream: 1,
-                streams,
-                next_hold: 1,
-                next_event: 1,
-                events: HashMap::new(),
-                capturing: HashMap::new(),
-                next_capture: 1,
-                sync_wait: std::time::Duration::ZERO,
+                memory: Memory::new(fd),
+                space: AddressSpace::default(),
+                streams: StreamModel::new(),
             }),
             peers: crate::sync::Mutex::new(Vec::new()),
             costs: Costs::new(config.costs),
@@ -218,16 +138,16 @@ impl HostDriver {
     /// Holding an unknown stream, or one already held, does nothing.
     pub fn hold_stream(&self, s: StreamHandle) {
         let mut st = self.lock();
-        let token = st.next_hold;
-        if let Some(hold @ None) = st.streams.get_mut(&s.0) {
+        let token = st.streams.next_hold;
+        if let Some(hold @ None) = st.streams.streams.get_mut(&s.0) {
             *hold = Some(token);
-            st.next_hold += 1;
+            st.streams.next_hold += 1;
         }
     }
 
     /// Test hook: ends a hold; the events recorded on `s` during it are done.
     pub fn release_stream(&self, s: StreamHandle) {
-        if let Some(hold) = self.lock().streams.get_mut(&s.0) {
+        if let Some(hold) = self.lock().streams.streams.get_mut(&s.0) {
             *hold = None;
         }
     }
@@ -236,27 +156,27 @@ impl HostDriver {
     /// `limit` for the hold to end, as a host thread waits for a GPU's work, instead of refusing
     /// at once (a test's other thread ends the hold).
     pub fn wait_on_held_streams(&self, limit: std::time::Duration) {
-        self.lock().sync_wait = limit;
+        self.lock().streams.sync_wait = limit;
     }
 
     /// Test hook: `s` reports being captured into a graph until [`Self::end_capture`]. Returns
     /// the new capture's id.
     pub fn begin_capture(&self, s: StreamHandle) -> u64 {
         let mut st = self.lock();
-        let id = st.next_capture;
-        st.next_capture += 1;
-        st.capturing.insert(s.0, id);
+        let id = st.streams.next_capture;
+        st.streams.next_capture += 1;
+        st.streams.capturing.insert(s.0, id);
         id
     }
 
     /// Test hook: `s` joins capture `id` (as a stream forked from the capturing one does).
     pub fn join_capture(&self, s: StreamHandle, id: u64) {
-        self.lock().capturing.insert(s.0, id);
+        self.lock().streams.capturing.insert(s.0, id);
     }
 
     /// Test hook: ends a capture begun by [`Self::begin_capture`] (on `s` only).
     pub fn end_capture(&self, s: StreamHandle) {
-        self.lock().capturing.remove(&s.0);
+        self.lock().streams.capturing.remove(&s.0);
     }
 
     /// The driver costs this backend charges.
@@ -283,24 +203,24 @@ impl HostDriver {
     pub fn resident_bytes(&self) -> u64 {
         let st = self.lock();
         // Only a diagnostic: a failed fstat (which cannot happen on an open memfd) reads as 0.
-        sys::allocated_bytes(&st.fd).unwrap_or(0)
+        sys::allocated_bytes(&st.memory.fd).unwrap_or(0)
     }
 
     /// Bytes of chunks not yet freed (a released chunk counts until its last unmap).
     pub fn live_chunk_bytes(&self) -> u64 {
-        self.lock().live_chunk_bytes
+        self.lock().memory.live_chunk_bytes
     }
 
     /// Live mappings.
     pub fn mapping_count(&self) -> usize {
-        self.lock().mappings.len()
+        self.lock().space.mappings.len()
     }
 
     /// Whether peer device `peer` was granted access to all of `[va, va + len)` (and it is
     /// still mapped).
     pub fn peer_can_access(&self, peer: i32, va: DevicePtr, len: u64) -> bool {
         let st = self.lock();
-        st.peer_accessible.get(&peer).is_some_and(|spans| covers(spans, va, va + len))
+        st.space.peer_accessible.get(&peer).is_some_and(|spans| covers(spans, va, va + len))
     }
 
     fn check_aligned(&self, call: CallKind, va: DevicePtr, size: usize) -> DriverResult<u64> {
@@ -335,10 +255,10 @@ impl fmt::Debug for HostDriver {
         // try_lock: formatting must never wait on (or deadlock with) a call in flight.
         match self.state.try_lock() {
             Ok(st) => d
-                .field("live_chunk_bytes", &st.live_chunk_bytes)
-                .field("chunks", &st.chunks.len())
-                .field("reservations", &st.reservations.len())
-                .field("mappings", &st.mappings.len()),
+                .field("live_chunk_bytes", &st.memory.live_chunk_bytes)
+                .field("chunks", &st.memory.chunks.len())
+                .field("reservations", &st.space.reservations.len())
+                .field("mappings", &st.space.mappings.len()),
             Err(_) => d.field("state", &"<busy>"),
         };
         d.finish()
@@ -352,13 +272,13 @@ impl Drop for HostDriver {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         // Every mapping lies in a reservation, so unmapping the reservations drops them too.
-        for (&base, &size) in &st.reservations {
+        for (&base, &size) in &st.space.reservations {
             // SAFETY: the reservation is ours, and `&mut self` means no call is in flight; any
             // pointer the caller still holds into it was only valid while the driver lived.
             let _ = unsafe { sys::unmap(base, size) };
         }
-        st.reservations.clear();
-        st.mappings.clear();
-        // The memfd closes when `st.fd` drops.
+        st.space.reservations.clear();
+        st.space.mappings.clear();
+        // The memfd closes when `st.memory.fd` drops.
     }
 }

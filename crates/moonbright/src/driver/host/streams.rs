@@ -1,17 +1,63 @@
-//! The host backend's simulated streams and events (an event recorded on a held stream stays
-//! pending until the hold ends), and the graph captures tests announce.
+//! The host backend's simulated streams and events (`StreamModel`: an event recorded on a held
+//! stream stays pending until the hold ends), and the graph captures tests announce.
 
-use super::{err, EventState, HostDriver};
+use std::collections::HashMap;
+
+use super::{err, HostDriver};
 use crate::driver::{
     code, CallKind, Capture, DriverError, DriverResult, EventHandle, StreamHandle, Streams,
 };
 
+/// The simulated streams and events, and the graph captures tests announce.
+#[derive(Debug)]
+pub(super) struct StreamModel {
+    pub(super) next_stream: u64,
+    /// stream -> the token of its current hold, if held.
+    pub(super) streams: HashMap<u64, Option<u64>>,
+    pub(super) next_hold: u64,
+    pub(super) next_event: u64,
+    pub(super) events: HashMap<u64, EventState>,
+    /// Streams a test has put into graph capture, with their capture's id.
+    pub(super) capturing: HashMap<u64, u64>,
+    pub(super) next_capture: u64,
+    /// How long `synchronize_event` waits for a held stream's hold to end (another thread of a
+    /// test ends it) before it refuses; zero refuses at once.
+    pub(super) sync_wait: std::time::Duration,
+}
+
+impl StreamModel {
+    /// The default stream alone, no events, no captures.
+    pub(super) fn new() -> StreamModel {
+        let mut streams = HashMap::new();
+        streams.insert(StreamHandle::DEFAULT.0, None);
+        StreamModel {
+            next_stream: 1,
+            streams,
+            next_hold: 1,
+            next_event: 1,
+            events: HashMap::new(),
+            capturing: HashMap::new(),
+            next_capture: 1,
+            sync_wait: std::time::Duration::ZERO,
+        }
+    }
+}
+
+/// Where an event's last record stands.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum EventState {
+    /// Never recorded, or recorded on a stream that was not held: done.
+    Done,
+    /// Recorded on `stream` during its hold `hold`: done once that hold ends.
+    Pending { stream: u64, hold: u64 },
+}
+
 impl Streams for HostDriver {
     fn create_stream(&self) -> DriverResult<StreamHandle> {
         let mut st = self.lock();
-        let id = st.next_stream;
-        st.next_stream += 1;
-        st.streams.insert(id, None);
+        let id = st.streams.next_stream;
+        st.streams.next_stream += 1;
+        st.streams.streams.insert(id, None);
         Ok(StreamHandle(id))
     }
 
@@ -25,7 +71,7 @@ impl Streams for HostDriver {
         }
         // Work pending on a destroyed stream still completes, so its events become done: their
         // hold token no longer matches any stream's.
-        match self.lock().streams.remove(&stream.0) {
+        match self.lock().streams.streams.remove(&stream.0) {
             Some(_) => Ok(()),
             None => Err(err(
                 CallKind::StreamDestroy,
@@ -37,16 +83,16 @@ impl Streams for HostDriver {
 
     fn create_event(&self) -> DriverResult<EventHandle> {
         let mut st = self.lock();
-        let id = st.next_event;
-        st.next_event += 1;
-        st.events.insert(id, EventState::Done);
+        let id = st.streams.next_event;
+        st.streams.next_event += 1;
+        st.streams.events.insert(id, EventState::Done);
         Ok(EventHandle(id))
     }
 
     fn record_event(&self, event: EventHandle, stream: StreamHandle) -> DriverResult<()> {
         let call = CallKind::EventRecord;
         let mut st = self.lock();
-        if st.capturing.contains_key(&stream.0) {
+        if st.streams.capturing.contains_key(&stream.0) {
             // On CUDA the record would join the graph being captured instead.
             return Err(err(
                 call,
@@ -54,14 +100,14 @@ impl Streams for HostDriver {
                 format!("record_event: stream {} is being captured into a graph", stream.0),
             ));
         }
-        let Some(&hold) = st.streams.get(&stream.0) else {
+        let Some(&hold) = st.streams.streams.get(&stream.0) else {
             return Err(err(
                 call,
                 code::INVALID_HANDLE,
                 format!("record_event: stream {} is unknown", stream.0),
             ));
         };
-        let Some(ev) = st.events.get_mut(&event.0) else {
+        let Some(ev) = st.streams.events.get_mut(&event.0) else {
             return Err(err(
                 call,
                 code::INVALID_HANDLE,
@@ -77,10 +123,10 @@ impl Streams for HostDriver {
 
     fn event_done(&self, event: EventHandle) -> DriverResult<bool> {
         let st = self.lock();
-        match st.events.get(&event.0) {
+        match st.streams.events.get(&event.0) {
             Some(EventState::Done) => Ok(true),
             Some(&EventState::Pending { stream, hold }) => {
-                Ok(st.streams.get(&stream).copied().flatten() != Some(hold))
+                Ok(st.streams.streams.get(&stream).copied().flatten() != Some(hold))
             }
             None => Err(err(
                 CallKind::EventQuery,
@@ -91,7 +137,7 @@ impl Streams for HostDriver {
     }
 
     fn destroy_event(&self, event: EventHandle) -> DriverResult<()> {
-        match self.lock().events.remove(&event.0) {
+        match self.lock().streams.events.remove(&event.0) {
             Some(_) => Ok(()),
             None => Err(err(
                 CallKind::EventDestroy,
@@ -105,7 +151,7 @@ impl Streams for HostDriver {
         // Nothing runs on the host model, so a held stream finishes only when a test ends the
         // hold: wait as long as `wait_on_held_streams` allows (by default not at all), then
         // refuse rather than hang.
-        let (limit, start) = (self.lock().sync_wait, crate::sync::Instant::now());
+        let (limit, start) = (self.lock().streams.sync_wait, crate::sync::Instant::now());
         let mut done = self.event_done(event);
         while matches!(done, Ok(false)) && start.elapsed() < limit {
             crate::sync::pause(std::time::Duration::from_millis(1));
@@ -125,10 +171,10 @@ impl Streams for HostDriver {
 
 impl Capture for HostDriver {
     fn is_capturing(&self, stream: StreamHandle) -> DriverResult<bool> {
-        Ok(self.lock().capturing.contains_key(&stream.0))
+        Ok(self.lock().streams.capturing.contains_key(&stream.0))
     }
 
     fn capture_id(&self, stream: StreamHandle) -> DriverResult<Option<u64>> {
-        Ok(self.lock().capturing.get(&stream.0).copied())
+        Ok(self.lock().streams.capturing.get(&stream.0).copied())
     }
 }

@@ -337,11 +337,11 @@ fn freed_offsets_are_reused_and_come_back_zeroed() {
     d.write(base, &[0xAB; 64]).unwrap();
     d.unmap(base, 2 * PS).unwrap();
     d.release_chunk(a).unwrap();
-    let len = d.lock().file_len;
+    let len = d.lock().memory.file_len;
     // Fits in a's old offsets: the file does not grow, and the hole reads as zeros.
     let c = d.create_chunk(2 * PS).unwrap();
-    assert_eq!(d.lock().file_len, len);
-    assert_eq!(d.lock().chunks[&c.0].offset, 0);
+    assert_eq!(d.lock().memory.file_len, len);
+    assert_eq!(d.lock().memory.chunks[&c.0].offset, 0);
     d.map(base, 2 * PS, c).unwrap();
     d.set_access(base, 2 * PS).unwrap();
     let mut got = [0xFFu8; 64];
@@ -351,7 +351,11 @@ fn freed_offsets_are_reused_and_come_back_zeroed() {
     d.release_chunk(c).unwrap();
     d.release_chunk(b).unwrap();
     let st = d.lock();
-    assert_eq!((st.file_end, st.free_offsets.len()), (0, 0), "everything coalesced back");
+    assert_eq!(
+        (st.memory.file_end, st.memory.free_offsets.len()),
+        (0, 0),
+        "everything coalesced back"
+    );
 }
 
 #[test]
@@ -498,7 +502,7 @@ fn drop_unmaps_everything_and_closes_the_memfd() {
     let (base, _) = mapped(&d, 4, 2);
     d.set_access(base, 2 * PS).unwrap();
     d.write(base, &[5; 8]).unwrap();
-    let fd = d.lock().fd.as_raw_fd();
+    let fd = d.lock().memory.fd.as_raw_fd();
     // Inode numbers tell this memfd apart from those of tests running alongside.
     let ino = std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap().ino();
     let maps_it = || {

@@ -1,11 +1,147 @@
-//! The host backend's virtual-memory calls (reserve, create, map, set access, unmap, release),
-//! its peers, and its copies, each checked against CUDA's rules.
+//! The host backend's address space (`AddressSpace`: reservations, mappings, and the spans this
+//! device and its peers may access) and its virtual-memory calls (reserve, create, map, set
+//! access, unmap, release), its peers, and its copies, each checked against CUDA's rules.
 
-use super::{err, os_err, sys, Charged, Chunk, HostDriver, Mapping, HOST_DEVICES};
+use std::collections::{BTreeMap, HashMap};
+
+use super::memory::Chunk;
+use super::{err, os_err, sys, Charged, HostDriver, HOST_DEVICES};
 use crate::driver::{
     code, Batch, CallKind, ChunkHandle, Copies, DevicePtr, DriverResult, MemInfo, Peers,
     VirtualMemory,
 };
+
+/// The address space: the reservations carved from the process's, the mappings in them, and
+/// the ranges this device and its peers may access.
+#[derive(Debug, Default)]
+pub(super) struct AddressSpace {
+    /// base -> size.
+    pub(super) reservations: BTreeMap<u64, u64>,
+    /// va -> mapping; mappings never overlap.
+    pub(super) mappings: BTreeMap<u64, Mapping>,
+    /// Accessible ranges: start -> end, disjoint and coalesced; always inside mappings.
+    pub(super) accessible: BTreeMap<u64, u64>,
+    /// Ranges each peer was granted access to, as `accessible`.
+    pub(super) peer_accessible: HashMap<i32, BTreeMap<u64, u64>>,
+}
+
+/// One `map` call's worth of address space.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Mapping {
+    pub(super) size: u64,
+    pub(super) chunk: u64,
+}
+
+/// Adds `[start, end)` to a set of disjoint, coalesced spans (start -> end).
+pub(super) fn add_span(spans: &mut BTreeMap<u64, u64>, mut start: u64, mut end: u64) {
+    if let Some((&s, &e)) = spans.range(..=start).next_back() {
+        if e >= start {
+            spans.remove(&s);
+            start = s;
+            end = end.max(e);
+        }
+    }
+    let inside: Vec<(u64, u64)> = spans.range(start..=end).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in inside {
+        spans.remove(&s);
+        end = end.max(e);
+    }
+    spans.insert(start, end);
+}
+
+/// Removes `[start, end)` from a set of spans.
+pub(super) fn remove_span(spans: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
+    if let Some((&s, &e)) = spans.range(..start).next_back() {
+        if e > start {
+            spans.insert(s, start);
+            if e > end {
+                spans.insert(end, e);
+            }
+        }
+    }
+    let inside: Vec<(u64, u64)> = spans.range(start..end).map(|(&s, &e)| (s, e)).collect();
+    for (s, e) in inside {
+        spans.remove(&s);
+        if e > end {
+            spans.insert(end, e);
+        }
+    }
+}
+
+/// Whether one span covers `[start, end)`.
+pub(super) fn covers(spans: &BTreeMap<u64, u64>, start: u64, end: u64) -> bool {
+    matches!(spans.range(..=start).next_back(), Some((_, &e)) if e >= end)
+}
+
+impl AddressSpace {
+    /// The reservation holding all of `[va, end)`, if one does.
+    pub(super) fn reservation_of(&self, va: u64, end: u64) -> Option<(u64, u64)> {
+        let (&base, &size) = self.reservations.range(..=va).next_back()?;
+        (end <= base + size).then_some((base, size))
+    }
+
+    /// The mapping holding byte `va`, if one does.
+    pub(super) fn mapping_at(&self, va: u64) -> Option<(u64, Mapping)> {
+        let (&start, &m) = self.mappings.range(..=va).next_back()?;
+        (va < start + m.size).then_some((start, m))
+    }
+
+    pub(super) fn any_mapped_in(&self, va: u64, end: u64) -> bool {
+        self.mapping_at(va).is_some() || self.mappings.range(va..end).next().is_some()
+    }
+
+    /// Whether consecutive mappings cover `[va, end)` with no gap; the first byte not covered
+    /// otherwise.
+    pub(super) fn covered(&self, va: u64, end: u64) -> Result<(), u64> {
+        let (start, m) = self.mapping_at(va).ok_or(va)?;
+        let mut cur = start + m.size;
+        while cur < end {
+            cur += self.mappings.get(&cur).ok_or(cur)?.size;
+        }
+        Ok(())
+    }
+
+    /// Makes `[start, end)` accessible to this device and to `peers`.
+    pub(super) fn add_accessible(&mut self, start: u64, end: u64, peers: &[i32]) {
+        add_span(&mut self.accessible, start, end);
+        for p in peers {
+            add_span(self.peer_accessible.entry(*p).or_default(), start, end);
+        }
+    }
+
+    /// Makes `[start, end)` accessible to no device (it is being unmapped).
+    pub(super) fn remove_accessible(&mut self, start: u64, end: u64) {
+        remove_span(&mut self.accessible, start, end);
+        for spans in self.peer_accessible.values_mut() {
+            remove_span(spans, start, end);
+        }
+    }
+
+    pub(super) fn is_accessible(&self, start: u64, end: u64) -> bool {
+        covers(&self.accessible, start, end)
+    }
+
+    /// Checks that `[addr, addr + len)` may be copied to or from.
+    pub(super) fn check_copy(&self, addr: DevicePtr, len: usize) -> DriverResult<()> {
+        let end = addr.checked_add(len as u64).ok_or_else(|| {
+            err(
+                CallKind::Copy,
+                code::INVALID_VALUE,
+                format!("copy: range {addr:#x} + {len} overflows"),
+            )
+        })?;
+        if !self.is_accessible(addr, end) {
+            return Err(err(
+                CallKind::Copy,
+                code::INVALID_VALUE,
+                format!(
+                    "copy: [{addr:#x}, {end:#x}) is not accessible: map it and call set_access on it first"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl VirtualMemory for HostDriver {
     fn name(&self) -> &'static str {
@@ -17,7 +153,7 @@ impl VirtualMemory for HostDriver {
     }
 
     fn mem_info(&self) -> DriverResult<MemInfo> {
-        let live = self.lock().live_chunk_bytes;
+        let live = self.lock().memory.live_chunk_bytes;
         Ok(MemInfo { free: self.capacity - live, total: self.capacity })
     }
 
@@ -64,14 +200,14 @@ impl VirtualMemory for HostDriver {
                 let _ = sys::unmap(base + size as u64, tail);
             }
         }
-        st.reservations.insert(base, size as u64);
+        st.space.reservations.insert(base, size as u64);
         Ok(base)
     }
 
     fn free_reservation(&self, base: DevicePtr, size: usize) -> DriverResult<()> {
         let call = CallKind::FreeReservation;
         let mut st = self.lock();
-        match st.reservations.get(&base) {
+        match st.space.reservations.get(&base) {
             Some(&s) if s == size as u64 => {}
             Some(&s) => {
                 return Err(err(
@@ -91,7 +227,7 @@ impl VirtualMemory for HostDriver {
             }
         }
         let end = base + size as u64;
-        if st.any_mapped_in(base, end) {
+        if st.space.any_mapped_in(base, end) {
             return Err(err(
                 call,
                 code::INVALID_VALUE,
@@ -102,7 +238,7 @@ impl VirtualMemory for HostDriver {
         // so no reference into it can be live; it is forgotten below, never to be touched again.
         unsafe { sys::unmap(base, size as u64) }
             .map_err(|e| os_err(call, "free_reservation: munmap", e))?;
-        st.reservations.remove(&base);
+        st.space.reservations.remove(&base);
         Ok(())
     }
 
@@ -119,7 +255,7 @@ impl VirtualMemory for HostDriver {
         }
         let size = size as u64;
         let mut st = self.lock();
-        let live = st.live_chunk_bytes;
+        let live = st.memory.live_chunk_bytes;
         if live.checked_add(size).map_or(true, |total| total > self.capacity) {
             return Err(err(
                 call,
@@ -130,19 +266,19 @@ impl VirtualMemory for HostDriver {
                 ),
             ));
         }
-        let offset =
-            st.alloc_offsets(size).map_err(|e| os_err(call, "create_chunk: ftruncate", e))?;
-        let id = st.next_chunk;
-        st.next_chunk += 1;
-        st.chunks.insert(id, Chunk::new(offset, size));
-        st.live_chunk_bytes += size;
+        let offset = st
+            .memory
+            .alloc_offsets(size)
+            .map_err(|e| os_err(call, "create_chunk: ftruncate", e))?;
+        let id = st.memory.add_chunk(Chunk::new(offset, size));
+        st.memory.live_chunk_bytes += size;
         Ok(ChunkHandle(id))
     }
 
     fn release_chunk(&self, handle: ChunkHandle) -> DriverResult<()> {
         self.charge(Charged::Release);
         let mut st = self.lock();
-        let chunk = match st.chunks.get_mut(&handle.0) {
+        let chunk = match st.memory.chunks.get_mut(&handle.0) {
             Some(c) if !c.released => c,
             _ => {
                 return Err(err(
@@ -154,7 +290,7 @@ impl VirtualMemory for HostDriver {
         };
         chunk.released = true;
         if chunk.maps == 0 {
-            st.free_chunk(handle.0);
+            st.memory.free_chunk(handle.0);
         }
         Ok(())
     }
@@ -165,7 +301,7 @@ impl VirtualMemory for HostDriver {
         let end = self.check_aligned(call, va, size)?;
         let size = size as u64;
         let mut st = self.lock();
-        let (offset, chunk_size, file) = match st.chunks.get(&handle.0) {
+        let (offset, chunk_size, file) = match st.memory.chunks.get(&handle.0) {
             Some(c) if !c.released => (c.offset, c.size, c.imported.clone()),
             _ => {
                 return Err(err(
@@ -185,14 +321,14 @@ impl VirtualMemory for HostDriver {
                 ),
             ));
         }
-        if st.reservation_of(va, end).is_none() {
+        if st.space.reservation_of(va, end).is_none() {
             return Err(err(
                 call,
                 code::INVALID_VALUE,
                 format!("map: [{va:#x}, {end:#x}) is not inside one reservation"),
             ));
         }
-        if st.any_mapped_in(va, end) {
+        if st.space.any_mapped_in(va, end) {
             return Err(err(
                 call,
                 code::INVALID_VALUE,
@@ -204,8 +340,9 @@ impl VirtualMemory for HostDriver {
         // SAFETY: [va, end) lies in one of our reservations and nothing is mapped there (both
         // checked above under the lock), so it holds only our PROT_NONE placeholder, which no
         // reference can point into; [offset, offset + size) is this chunk's part of its file.
-        let mapped =
-            unsafe { sys::map_shared_fixed(va, size, file.as_deref().unwrap_or(&st.fd), offset) };
+        let mapped = unsafe {
+            sys::map_shared_fixed(va, size, file.as_deref().unwrap_or(&st.memory.fd), offset)
+        };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may have dropped the placeholder; put it back so the range stays
             // reserved. If that fails too, the range is merely unreserved, not corrupted.
@@ -213,8 +350,8 @@ impl VirtualMemory for HostDriver {
             let _ = unsafe { sys::reserve_fixed(va, size) };
             return Err(os_err(call, "map: mmap", e));
         }
-        st.mappings.insert(va, Mapping { size, chunk: handle.0 });
-        if let Some(c) = st.chunks.get_mut(&handle.0) {
+        st.space.mappings.insert(va, Mapping { size, chunk: handle.0 });
+        if let Some(c) = st.memory.chunks.get_mut(&handle.0) {
             c.maps += 1;
         }
         Ok(())
@@ -226,7 +363,7 @@ impl VirtualMemory for HostDriver {
         let end = self.check_aligned(call, va, size)?;
         let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut st = self.lock();
-        if let Err(hole) = st.covered(va, end) {
+        if let Err(hole) = st.space.covered(va, end) {
             return Err(err(
                 call,
                 code::INVALID_VALUE,
@@ -237,7 +374,7 @@ impl VirtualMemory for HostDriver {
         // widening their protection invalidates no reference.
         unsafe { sys::protect_rw(va, size as u64) }
             .map_err(|e| os_err(call, "set_access: mprotect", e))?;
-        st.add_accessible(va, end, &peers);
+        st.space.add_accessible(va, end, &peers);
         Ok(())
     }
 
@@ -249,8 +386,8 @@ impl VirtualMemory for HostDriver {
         let mut spanned = Vec::new();
         let mut cur = va;
         while cur < end {
-            let Some(m) = st.mappings.get(&cur) else {
-                let why = match st.mapping_at(cur) {
+            let Some(m) = st.space.mappings.get(&cur) else {
+                let why = match st.space.mapping_at(cur) {
                     Some((s, m)) => format!(
                         "{cur:#x} is inside the mapping [{s:#x}, {:#x}); unmap whole mappings only",
                         s + m.size
@@ -280,10 +417,10 @@ impl VirtualMemory for HostDriver {
         // backend's own copies hold the lock, so none is in flight.
         unsafe { sys::reserve_fixed(va, size as u64) }
             .map_err(|e| os_err(call, "unmap: mmap", e))?;
-        st.remove_accessible(va, end);
+        st.space.remove_accessible(va, end);
         for (start, chunk) in spanned {
-            st.mappings.remove(&start);
-            let gone = match st.chunks.get_mut(&chunk) {
+            st.space.mappings.remove(&start);
+            let gone = match st.memory.chunks.get_mut(&chunk) {
                 Some(c) => {
                     c.maps -= 1;
                     c.released && c.maps == 0
@@ -291,7 +428,7 @@ impl VirtualMemory for HostDriver {
                 None => false,
             };
             if gone {
-                st.free_chunk(chunk);
+                st.memory.free_chunk(chunk);
             }
         }
         Ok(())
@@ -333,7 +470,7 @@ impl Copies for HostDriver {
             return Ok(());
         }
         let st = self.lock();
-        st.check_copy(dst, src.len())?;
+        st.space.check_copy(dst, src.len())?;
         // SAFETY: [dst, dst + len) is mapped read-write (checked above) and stays so while we
         // hold the lock; `src` is a live slice, which cannot overlap it without the caller
         // having aliased device memory behind a shared borrow.
@@ -346,7 +483,7 @@ impl Copies for HostDriver {
             return Ok(());
         }
         let st = self.lock();
-        st.check_copy(src, dst.len())?;
+        st.space.check_copy(src, dst.len())?;
         // SAFETY: [src, src + len) is mapped readable (checked above) and stays so while we hold
         // the lock; `dst` is an exclusive borrow, so nothing else aliases it.
         unsafe {
