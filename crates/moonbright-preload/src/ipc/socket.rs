@@ -140,6 +140,19 @@ pub(super) fn connect(name: &str, deadline: Instant) -> Result<UnixStream, Strin
     }
 }
 
+/// Sends `token` and reads the broker's one-byte answer. A broker that refuses (another user,
+/// too many importers) answers and closes without reading the token, so the send may fail
+/// with the answer already waiting: it is read anyway. On failure, what failed and why.
+fn ask(stream: &UnixStream, token: &[u8], deadline: Instant) -> Result<u8, (&'static str, String)> {
+    let sent = send_all(stream, token, deadline);
+    let mut status = [0u8; 1];
+    match (sent, recv_all(stream, &mut status, deadline)) {
+        (_, Ok(())) => Ok(status[0]),
+        (Err(e), Err(_)) => Err(("cannot ask", e)),
+        (Ok(()), Err(e)) => Err(("no answer from", e)),
+    }
+}
+
 /// Fetches the export `h` names from its broker, within `patience` in all. The broker must be
 /// the process the handle names, of this process's user (`SO_PEERCRED`): abstract socket
 /// names are anyone's to take once their process has exited, and the token is not sent to
@@ -162,10 +175,8 @@ pub(super) fn fetch(h: &Handle, patience: Duration) -> Result<Export, Fetch> {
             peer.pid, peer.uid, h.pid
         )));
     }
-    send_all(&stream, &h.token, deadline).map_err(|e| gone("cannot ask", &e))?;
-    let mut status = [0u8; 1];
-    recv_all(&stream, &mut status, deadline).map_err(|e| gone("no answer from", &e))?;
-    match status[0] {
+    let status = ask(&stream, &h.token, deadline).map_err(|(what, e)| gone(what, &e))?;
+    match status {
         SENT => Export::recv_by(&stream, Some(deadline)).map_err(|e| gone("a bad export from", &e)),
         REFUSED => Err(Fetch::Unreachable(format!(
             "process {} serves its memory only to its own user",
@@ -179,5 +190,31 @@ pub(super) fn fetch(h: &Handle, patience: Duration) -> Result<Export, Fetch> {
             "process {} has no such export: freed, or a stale handle",
             h.pid
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_sent_before_the_token_is_read_is_still_seen() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // The broker's side answers BUSY and closes without reading anything.
+        send_all(&theirs, &[BUSY], deadline).unwrap();
+        drop(theirs);
+        let big = vec![0u8; 1 << 20]; // more than the socket buffers: the send must fail
+        assert!(send_all(&ours, &big, deadline).is_err(), "a send to a closed peer");
+        assert_eq!(ask(&ours, &big, deadline), Ok(BUSY));
+    }
+
+    #[test]
+    fn a_peer_that_closes_without_answering_is_reported() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(theirs);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (what, _) = ask(&ours, b"token", deadline).unwrap_err();
+        assert_eq!(what, "cannot ask");
     }
 }
