@@ -8,8 +8,8 @@ Every `crate::a::b...` path in a crate's code (in `use` items, brace groups expa
 expressions; not in comments), and every `super::` path, is an edge between sibling modules: from the module the file
 is in to the one the path names, at the level where the two paths part. Within each parent
 module (the crate root, `core`, `core::heap`, ...) the sibling graph must have no cycle.
-Test-only code is left out (files named tests.rs or loom_model.rs, `tests/`, and what follows
-`#[cfg(test)]` before a `mod` in a file): tests may reach anything. Cycles between crates
+Test-only code is left out (files named tests.rs or loom_model.rs, `tests/`, and inline
+`#[cfg(test)] mod name { ... }` blocks): tests may reach anything. Cycles between crates
 Cargo itself refuses, except through dev-dependencies, which only tests use.
 """
 import os
@@ -73,9 +73,21 @@ def references(text: str, here: list[str]) -> list[list[str]]:
     return out
 
 
+TEST_MOD = re.compile(
+    r"^\s*#\[cfg\((?:all\()?test\b[^\n]*\n(?:\s*#\[[^\n]*\n)*\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{",
+    re.M)
+
+
 def strip_tests(text: str) -> str:
-    m = re.search(r"^\s*#\[cfg\((?:all\()?test\b[^\n]*\n(?:\s*#\[[^\n]*\n)*\s*(?:pub(?:\([^)]*\))?\s+)?mod\s", text, re.M)
-    return text[: m.start()] if m else text
+    """`text` without its inline `#[cfg(test)] mod name { ... }` blocks (a test module in a file
+    of its own is left out by name, TEST_FILES)."""
+    while m := TEST_MOD.search(text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        text = text[: m.start()] + text[i:]
+    return text
 
 
 def check_crate(crate: str, quiet: bool) -> list[str]:
