@@ -2,6 +2,7 @@
 //! when a GPU is present (otherwise each CUDA case skips through `moonbright::testing`: counted,
 //! or a failure under `MOONBRIGHT_REQUIRE_GPU=1`).
 
+use moonbright::driver::prelude::*;
 use moonbright::{Allocator, BackendKind, CallKind, Error, Options};
 use moonbright_testkit::baseline::NoRemapAllocator;
 use moonbright_testkit::scenario::{fragmentation, stamp, verify};
@@ -365,6 +366,51 @@ fn release_unused_gives_memory_back(a: &Allocator) {
     assert_eq!(s.reserved_bytes.current, s.window_bytes.current);
     assert_eq!(s.mapped_bytes.current, s.window_bytes.current);
     assert!(s.window_bytes.current <= a.options().prefetch_window_min);
+}
+
+/// A tag backed up to host memory and one discarded go to sleep and wake on every backend: the
+/// backed-up bytes come back at the same addresses, the driver gets the memory back while
+/// they sleep, and a stream's queued work is waited for first.
+fn sleep_and_wake_keep_bytes(a: &Allocator) {
+    use moonbright::tags::{self, Backup};
+    let page = a.page_size();
+    let s = a.driver().create_stream().unwrap();
+    let sizes = [700, 20 << 10, page, 5 * page + 300, 40 * page];
+    let weights: Vec<(u64, usize)> = {
+        let _t = tags::scope("conformance-weights").unwrap();
+        sizes
+            .iter()
+            .map(|&n| (a.malloc_async(n, moonbright::StreamHandle(s.0)).unwrap(), n))
+            .collect()
+    };
+    let kv = {
+        let _t = tags::scope("conformance-kv").unwrap();
+        a.malloc(16 * page).unwrap()
+    };
+    for (i, &(p, n)) in weights.iter().enumerate() {
+        stamp(a, p, n, i as u64 + 1).unwrap();
+    }
+    let w = a.sleep("conformance-weights", Backup::Host).unwrap();
+    let k = a.sleep("conformance-kv", Backup::Discard).unwrap();
+    assert_eq!(w.backed_up, w.bytes);
+    // (Held memory itself moves with a background worker's window: tests/sleep.rs checks it
+    // exactly, with none.)
+    assert!(w.released + k.released >= (45 + 16) as u64 * page as u64);
+    a.wake("conformance-kv").unwrap();
+    a.wake("conformance-weights").unwrap();
+    for (i, &(p, n)) in weights.iter().enumerate() {
+        assert!(verify(a, p, n, i as u64 + 1).unwrap(), "allocation {i} lost its bytes");
+    }
+    stamp(a, kv, 16 * page, 99).unwrap();
+    assert!(verify(a, kv, 16 * page, 99).unwrap());
+    for (p, _) in weights {
+        a.free_async(p, moonbright::StreamHandle(s.0)).unwrap();
+    }
+    a.free(kv).unwrap();
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    a.driver().destroy_stream(s).unwrap();
+    a.release_host_memory().unwrap();
 }
 
 /// A range unmapped by a batch gives its addresses to the next range that fits them, and the
@@ -867,6 +913,12 @@ macro_rules! suite {
                 let Some((_gpu, o)) = opts() else { return };
                 let a = Allocator::new(o).expect("allocator");
                 super::release_unused_gives_memory_back(&a)
+            }
+            #[test]
+            fn sleep_and_wake_keep_bytes() {
+                let Some((_gpu, o)) = opts() else { return };
+                let a = Allocator::new(o).expect("allocator");
+                super::sleep_and_wake_keep_bytes(&a)
             }
         }
     };

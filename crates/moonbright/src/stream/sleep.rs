@@ -72,17 +72,17 @@ impl Shared {
         if let Some(saved) = saved {
             off.saved.insert(tag, saved);
         }
-        let chunks = {
+        let claim = {
             let mut heap = self.heap();
-            let chunks = heap.commit_sleep(&work);
+            let claim = heap.commit_sleep(&work);
             self.validated(&heap);
-            chunks
+            claim
         };
         // The ranges are retired with nothing to wait for: unmap them (and whatever else is
         // due) now, then release their chunks. The tag is asleep, its bytes safe, whatever
         // happens here: a failure is a deferred error, and the memory goes back with a later
         // unmap or `release_unused`.
-        let released = self.release_slept(&chunks);
+        let released = self.release_slept(claim);
         Ok(SleepReport { bytes, released, backed_up, seconds: start.elapsed().as_secs_f64() })
     }
 
@@ -185,9 +185,9 @@ impl Shared {
         r.and(destroyed).map_err(Into::into)
     }
 
-    /// Unmaps what is retired and releases those of `chunks` then mapped nowhere. Returns the
-    /// bytes released; a failure is recorded as a deferred error.
-    fn release_slept(&self, chunks: &[crate::core::pool::ChunkId]) -> u64 {
+    /// Unmaps what is retired and releases the chunks of sleep claim `claim` then mapped
+    /// nowhere. Returns the bytes released; a failure is recorded as a deferred error.
+    fn release_slept(&self, claim: u64) -> u64 {
         let flushed = self.flush();
         // The worker may hold some of the ranges in an unmap batch of its own: let it land.
         let start = crate::sync::Instant::now();
@@ -195,7 +195,7 @@ impl Shared {
             crate::sync::pause(super::WAIT_STEP);
         }
         let flushed = flushed.and(self.flush());
-        let (claim, taken) = self.heap().take_slept_releasable(chunks);
+        let taken = self.heap().take_slept_releasable(claim);
         let (released, first_error) = self.release_chunks(&taken);
         let page = self.driver.granularity() as u64;
         let bytes = taken.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();

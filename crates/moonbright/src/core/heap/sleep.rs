@@ -13,7 +13,7 @@
 // Keys are tag ids: a fast hash, not a DoS-resistant one.
 use foldhash::HashMap;
 
-use super::{Heap, RangeId, Step};
+use super::{Claim, Heap, RangeId, Step};
 use crate::core::mapping::{Executed, MapPlan};
 use crate::core::pool::ChunkId;
 use crate::core::streams::NO_STREAM;
@@ -167,21 +167,21 @@ impl Heap {
 
     /// Commits a sleep whose bytes are safe (copied out, or to be discarded) and whose
     /// streams' work has completed: the tag is asleep, its ranges are retired with nothing to
-    /// wait for (the caller unmaps them at once, `Shared::flush`) and their chunks are bare,
-    /// while their addresses stay kept. Returns the chunks, for `take_releasable_of` once the
-    /// unmaps have run.
-    pub fn commit_sleep(&mut self, work: &SleepWork) -> Vec<ChunkId> {
-        let mut freed = Vec::new();
+    /// wait for (the caller unmaps them at once, `Shared::flush`), and their addresses stay
+    /// kept. Their chunks are claimed as a release, so that nothing takes them before
+    /// `take_slept_releasable`. Returns the claim.
+    pub fn commit_sleep(&mut self, work: &SleepWork) -> u64 {
+        let mut chunks = Vec::new();
         for &(id, va, len) in &work.ranges {
-            freed.extend(self.put_to_sleep(id, va, len));
+            chunks.extend(self.put_to_sleep(id, va, len));
         }
         let sleeper = self.sleepers.tags.get_mut(&work.tag).expect("a sleep in progress");
         sleeper.phase = Phase::Asleep;
-        freed
+        self.claims.add(Claim { chunks, ..Claim::default() })
     }
 
-    /// Range `id` at `[va, va + len)` asleep: its mapping retired, its chunks bare, its
-    /// addresses kept. Returns the chunks.
+    /// Range `id` at `[va, va + len)` asleep: its mapping retired, its addresses kept. Returns
+    /// its chunks, which the caller puts somewhere.
     fn put_to_sleep(&mut self, id: RangeId, va: u64, len: u64) -> Vec<ChunkId> {
         let r = self.range_mut(id);
         r.asleep = true;
@@ -189,19 +189,27 @@ impl Heap {
         self.va.keep(va, len);
         self.stats.asleep_bytes.add(len);
         self.retire(va, len, chunks.clone());
-        for &c in &chunks {
-            self.pool.put_bare(c);
-        }
         chunks
     }
 
-    /// Takes out those of `chunks` that are bare and mapped nowhere now, for release, as
-    /// `take_releasable` does.
-    pub fn take_slept_releasable(
-        &mut self,
-        chunks: &[ChunkId],
-    ) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
-        self.take_releasable_of(chunks)
+    /// After the unmaps: the chunks of sleep claim `claim` that are mapped nowhere now, for
+    /// release (`commit_releases` with the same claim); the others (still mapped by a range
+    /// retired earlier that waits for other work) become bare.
+    pub fn take_slept_releasable(&mut self, claim: u64) -> Vec<(ChunkId, ChunkHandle, u64)> {
+        let chunks = self.claims.plans.get_mut(&claim).map(|c| std::mem::take(&mut c.chunks));
+        let mut out = Vec::new();
+        for c in chunks.unwrap_or_default() {
+            let ch = self.pool.get(c);
+            if ch.mappings == 0 {
+                out.push((c, ch.handle, ch.pages));
+            } else {
+                self.pool.put_bare(c);
+            }
+        }
+        if let Some(claimed) = self.claims.plans.get_mut(&claim) {
+            claimed.chunks = out.iter().map(|r| r.0).collect();
+        }
+        out
     }
 
     /// Begins the wake of `tag`, asleep.
@@ -255,7 +263,9 @@ impl Heap {
     pub fn unwake(&mut self, id: RangeId) {
         let r = self.range(id);
         let (va, len) = (r.va, self.bytes(r.pages));
-        self.put_to_sleep(id, va, len);
+        for c in self.put_to_sleep(id, va, len) {
+            self.pool.put_bare(c);
+        }
     }
 
     /// Ends a wake: the tag is awake.

@@ -163,24 +163,6 @@ impl Heap {
         (id, out)
     }
 
-    /// Takes out those of `chunks` that are bare and mapped nowhere, for release, as
-    /// `take_releasable` does.
-    pub(super) fn take_releasable_of(
-        &mut self,
-        chunks: &[ChunkId],
-    ) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
-        let mut out = Vec::new();
-        for &c in chunks {
-            if self.pool.get(c).mappings == 0 && self.pool.take_if_bare(c) {
-                let ch = self.pool.get(c);
-                out.push((c, ch.handle, ch.pages));
-            }
-        }
-        let ids = out.iter().map(|r| r.0).collect();
-        let id = self.claims.add(Claim { chunks: ids, ..Claim::default() });
-        (id, out)
-    }
-
     /// Commits the releases of claim `id`: `released[i]` says whether chunk i went; the others
     /// stay bare.
     pub fn commit_releases(

@@ -131,6 +131,46 @@ fn map_alias_read_write_unmap() {
     d.free_reservation(base, 3 * g).unwrap();
 }
 
+/// Pinned host memory: device bytes copied out and back on a stream of the driver's, then
+/// waited for by an event, arrive whole.
+#[test]
+fn offload_copies_to_pinned_memory_and_back() {
+    let Some((_gpu, d)) = gpu() else { return };
+    let g = d.granularity();
+    let base = d.reserve(g, 0).unwrap();
+    let c = d.create_chunk(g).unwrap();
+    d.map(base, g, c).unwrap();
+    d.set_access(base, g).unwrap();
+    let p = pattern(g, 42);
+    d.write(base, &p).unwrap();
+    let host = d.alloc_host(g).unwrap();
+    let s = d.create_stream().unwrap();
+    let ev = d.create_event().unwrap();
+    // SAFETY: `host` is a live buffer of `g` bytes that nothing else touches until the event
+    // recorded after the copies has completed.
+    unsafe { d.copy_to_host(host.ptr, base, g, s).unwrap() };
+    d.record_event(ev, s).unwrap();
+    d.synchronize_event(ev).unwrap();
+    // SAFETY: the copy into it has completed (the event above).
+    let copied = unsafe { std::slice::from_raw_parts(host.ptr, g) };
+    assert!(copied == &p[..], "device bytes did not reach host memory");
+    d.write(base, &vec![0u8; g]).unwrap();
+    // SAFETY: as above, for reads of `host`.
+    unsafe { d.copy_to_device(base + 1, host.ptr, g - 1, s).unwrap() };
+    d.record_event(ev, s).unwrap();
+    d.synchronize_event(ev).unwrap();
+    let mut got = vec![0u8; g];
+    d.read(base, &mut got).unwrap();
+    assert!(got[0] == 0 && got[1..] == p[..g - 1], "host bytes did not come back");
+    // SAFETY: no copy on it is in flight (waited for above).
+    unsafe { d.free_host(host).unwrap() };
+    d.destroy_event(ev).unwrap();
+    d.destroy_stream(s).unwrap();
+    d.unmap(base, g).unwrap();
+    d.release_chunk(c).unwrap();
+    d.free_reservation(base, g).unwrap();
+}
+
 #[test]
 fn released_chunk_lives_while_mapped() {
     let Some((_gpu, d)) = gpu() else { return };

@@ -105,3 +105,41 @@ impl Offload for HostDriver {
         Ok(())
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::driver::host::{HostConfig, HostDriver};
+    use crate::driver::prelude::*;
+
+    #[test]
+    fn copies_stay_inside_host_buffers_and_mapped_memory() {
+        let d = HostDriver::new(HostConfig::default()).unwrap();
+        let g = d.granularity();
+        let base = d.reserve(g, 0).unwrap();
+        let c = d.create_chunk(g).unwrap();
+        d.map(base, g, c).unwrap();
+        d.set_access(base, g).unwrap();
+        d.write(base, &[7; 64]).unwrap();
+        let h = d.alloc_host(64).unwrap();
+        let s = StreamHandle::DEFAULT;
+        // SAFETY: `h` is a live buffer of this driver's; the host backend copies at once.
+        unsafe {
+            d.copy_to_host(h.ptr, base, 64, s).unwrap();
+            assert_eq!(std::slice::from_raw_parts(h.ptr, 64), &[7; 64]);
+            let e = d.copy_to_host(h.ptr.add(1), base, 64, s).unwrap_err();
+            assert_eq!((e.call, e.code), (CallKind::CopyAsync, code::INVALID_VALUE));
+            let e = d.copy_to_device(base + g as u64 - 8, h.ptr, 16, s).unwrap_err();
+            assert_eq!((e.call, e.code), (CallKind::CopyAsync, code::INVALID_VALUE));
+            d.copy_to_device(base + 64, h.ptr, 64, s).unwrap();
+        }
+        let mut back = [0u8; 64];
+        d.read(base + 64, &mut back).unwrap();
+        assert_eq!(back, [7; 64]);
+        let stray = HostBuffer { ptr: 8 as *mut u8, bytes: 8 };
+        // SAFETY: the host backend checks the pointer against its own buffers first.
+        assert!(unsafe { d.free_host(stray) }.is_err());
+        // SAFETY: `h` came from `alloc_host` and no copy uses it.
+        unsafe { d.free_host(h).unwrap() };
+    }
+}
