@@ -996,9 +996,10 @@ int mb_tag_end(uint32_t previous);
 
 /**
  * Puts every allocation of `alloc` tagged `tag` to sleep: after the work queued on their
- * streams (events, never a device-wide synchronisation), their bytes are copied to pinned host
- * memory (`backup` `MB_BACKUP_HOST`) or dropped (`MB_BACKUP_DISCARD`), and their memory is
- * unmapped and given back to the driver. Their addresses stay reserved: pointers and CUDA
+ * streams (events, never a device-wide synchronisation: the streams of `mb_malloc_async` and
+ * `mb_record_stream`; memory from `mb_malloc` has none, and no work may use it any more, as
+ * for `mb_free`), their bytes are copied to pinned host memory (`backup` `MB_BACKUP_HOST`) or
+ * dropped (`MB_BACKUP_DISCARD`), and their memory is unmapped and given back to the driver. Their addresses stay reserved: pointers and CUDA
  * graphs that hold them are valid again after `mb_wake`. Until then, allocating with the tag
  * and freeing its allocations return `MB_ERR_TAG_STATE`; other tags and untagged memory are
  * untouched. A tag with no allocation sleeps at no cost (and its allocations are refused).
@@ -1015,7 +1016,10 @@ int mb_tag_end(uint32_t previous);
  * `alloc` is NULL or a live handle from `mb_create`; `tag` is NULL or a NUL-terminated string;
  * `out` is NULL or valid for a write of an `mb_sleep_report`.
  */
-int mb_sleep(struct mb_allocator *alloc, const char *tag, int backup, struct mb_sleep_report *out);
+int mb_sleep(struct mb_allocator *alloc,
+             const char *tag,
+             int backup,
+             struct mb_sleep_report *out);
 
 /**
  * Wakes `tag` on `alloc`: maps its memory again at the same addresses, from memory the

@@ -68,9 +68,10 @@ pub extern "C" fn mb_tag_end(previous: u32) -> c_int {
 }
 
 /// Puts every allocation of `alloc` tagged `tag` to sleep: after the work queued on their
-/// streams (events, never a device-wide synchronisation), their bytes are copied to pinned host
-/// memory (`backup` `MB_BACKUP_HOST`) or dropped (`MB_BACKUP_DISCARD`), and their memory is
-/// unmapped and given back to the driver. Their addresses stay reserved: pointers and CUDA
+/// streams (events, never a device-wide synchronisation: the streams of `mb_malloc_async` and
+/// `mb_record_stream`; memory from `mb_malloc` has none, and no work may use it any more, as
+/// for `mb_free`), their bytes are copied to pinned host memory (`backup` `MB_BACKUP_HOST`) or
+/// dropped (`MB_BACKUP_DISCARD`), and their memory is unmapped and given back to the driver. Their addresses stay reserved: pointers and CUDA
 /// graphs that hold them are valid again after `mb_wake`. Until then, allocating with the tag
 /// and freeing its allocations return `MB_ERR_TAG_STATE`; other tags and untagged memory are
 /// untouched. A tag with no allocation sleeps at no cost (and its allocations are refused).
