@@ -133,7 +133,7 @@ impl<R: Runtime> Interposer<R> {
     ) -> c_int {
         let device = match self.runtime.get_device() {
             Ok(d) => d,
-            Err(e) => return e,
+            Err(e) => return self.fail(format!("cannot {what}: cudaGetDevice failed ({e})"), e),
         };
         let Some(a) = self.allocator(device) else {
             return self.fail(

@@ -249,6 +249,7 @@ fn without_moonbrights_allocator_there_is_nothing_to_sleep() {
     runtime(&ip).fail_get_device.store(100, Ordering::SeqCst);
     // SAFETY: the name is NUL-terminated.
     assert_eq!(unsafe { ip.sleep(c"preload-refused".as_ptr(), BACKUP_HOST) }, 100);
+    assert!(ip.last_error().unwrap().contains("cudaGetDevice"), "{:?}", ip.last_error());
     assert!(ip.devices().created().next().is_none());
 }
 
