@@ -85,6 +85,13 @@
 #define MB_ERR_IPC 13
 
 /**
+ * A tag not in the state the call needs: an allocation into it or a free of its memory while
+ * it sleeps, a sleep of a tag that is not awake (or whose memory was exported, or one of whose
+ * requests is mapping on another thread), a wake of one awake (`mb_sleep`, `mb_wake`).
+ */
+#define MB_ERR_TAG_STATE 14
+
+/**
  * `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
  */
 #define MB_BACKEND_AUTO 0
@@ -98,6 +105,18 @@
  * `mb_options.backend`: the host backend, a CPU model of the CUDA virtual-memory API (for tests).
  */
 #define MB_BACKEND_HOST 2
+
+/**
+ * `mb_sleep`'s `backup`: the tag's bytes are dropped; after `mb_wake` its memory holds
+ * whatever the new pages held.
+ */
+#define MB_BACKUP_DISCARD 0
+
+/**
+ * `mb_sleep`'s `backup`: the tag's bytes are copied to pinned host memory, and back at
+ * `mb_wake`.
+ */
+#define MB_BACKUP_HOST 1
 
 /**
  * An allocator (opaque). Made by `mb_create`, destroyed by `mb_destroy`. Any number of threads
@@ -253,6 +272,12 @@ typedef struct mb_stats {
    * Resizes of growable allocations that mapped or gave back pages (none copies).
    */
   uint64_t growable_resizes;
+  /**
+   * Bytes of ranges whose tag is asleep (`mb_sleep`): unmapped, their memory given back,
+   * their addresses kept. Their allocations still count in `allocated_bytes` and
+   * `active_bytes`, not in `reserved_bytes`.
+   */
+  struct mb_stat asleep_bytes;
 } mb_stats;
 
 /**
@@ -333,6 +358,52 @@ typedef struct mb_growable_info {
    */
   uint64_t committed;
 } mb_growable_info;
+
+/**
+ * What `mb_sleep` did.
+ */
+typedef struct mb_sleep_report {
+  /**
+   * Bytes of mapped ranges taken out of service: the tag's allocations, rounded to pages,
+   * with the sub-page arenas that hold its small ones.
+   */
+  uint64_t bytes;
+  /**
+   * Of them, device memory given back to the driver (less than `bytes` where a chunk's
+   * earlier mapping still waited for other work: that chunk stays in the allocator's pool).
+   */
+  uint64_t released;
+  /**
+   * Bytes copied to host memory (0 with `MB_BACKUP_DISCARD`).
+   */
+  uint64_t backed_up;
+  /**
+   * Seconds the call took.
+   */
+  double seconds;
+} mb_sleep_report;
+
+/**
+ * What `mb_wake` did.
+ */
+typedef struct mb_wake_report {
+  /**
+   * Bytes mapped again.
+   */
+  uint64_t bytes;
+  /**
+   * Of them, bytes of newly created chunks (the rest came from memory the allocator held).
+   */
+  uint64_t created;
+  /**
+   * Bytes copied back from host memory.
+   */
+  uint64_t restored;
+  /**
+   * Seconds the call took.
+   */
+  double seconds;
+} mb_wake_report;
 
 #ifdef __cplusplus
 extern "C" {
@@ -900,6 +971,90 @@ int mb_ipc_recv(struct mb_allocator *alloc, int socket_fd, uint64_t *out_ptr, ui
  * `alloc` is NULL or a live handle from `mb_create`.
  */
 int mb_ipc_close(struct mb_allocator *alloc, uint64_t ptr);
+
+/**
+ * Makes `tag` the calling thread's tag: what `mb_malloc` and the other allocating calls of
+ * this thread allocate, on every allocator, carries it until `mb_tag_end`. Stores in
+ * `*out_previous` the tag in effect before (0: none), to give to `mb_tag_end`. Tags nest:
+ * end them in the reverse order of their begins. Names are process-wide: one name is one tag
+ * on every allocator.
+ *
+ * Returns `MB_ERR_INVALID_ARGUMENT` for a NULL argument or a name that is empty, longer than
+ * 256 bytes or not UTF-8; the thread's tag is unchanged then.
+ *
+ * # Safety
+ * `tag` is NULL or a NUL-terminated string; `out_previous` is NULL or valid for a write.
+ */
+int mb_tag_begin(const char *tag, uint32_t *out_previous);
+
+/**
+ * Ends the tag a `mb_tag_begin` of this thread began: `previous` is what that call stored in
+ * `*out_previous`, and becomes the thread's tag again. Any other value gives the thread a tag
+ * that is not a name's. Always `MB_OK`.
+ */
+int mb_tag_end(uint32_t previous);
+
+/**
+ * Puts every allocation of `alloc` tagged `tag` to sleep: after the work queued on their
+ * streams (events, never a device-wide synchronisation: the streams of `mb_malloc_async` and
+ * `mb_record_stream`; memory from `mb_malloc` has none, and no work may use it any more, as
+ * for `mb_free`), their bytes are copied to pinned host memory (`backup` `MB_BACKUP_HOST`) or
+ * dropped (`MB_BACKUP_DISCARD`), and their memory is unmapped and given back to the driver. Their addresses stay reserved: pointers and CUDA
+ * graphs that hold them are valid again after `mb_wake`. Until then, allocating with the tag
+ * and freeing its allocations return `MB_ERR_TAG_STATE`; other tags and untagged memory are
+ * untouched. A tag with no allocation sleeps at no cost (and its allocations are refused).
+ * Stores what was done in `*out` unless it is NULL.
+ *
+ * Returns `MB_ERR_TAG_STATE` for a tag that is not awake (asleep already, or being put to
+ * sleep or woken on another thread), one of whose requests is mapping on another thread, or
+ * some of whose memory was exported to another process (`mb_ipc_send`);
+ * `MB_ERR_INVALID_ARGUMENT` for a NULL `alloc` or `tag`, a bad name (as `mb_tag_begin`) or an
+ * unknown `backup`; `MB_ERR_DRIVER` when a wait or a copy fails. After any failure the tag is
+ * as it was.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `tag` is NULL or a NUL-terminated string;
+ * `out` is NULL or valid for a write of an `mb_sleep_report`.
+ */
+int mb_sleep(struct mb_allocator *alloc,
+             const char *tag,
+             int backup,
+             struct mb_sleep_report *out);
+
+/**
+ * Wakes `tag` on `alloc`: maps its memory again at the same addresses, from memory the
+ * allocator holds free and new chunks, and copies its bytes back if `mb_sleep` kept them;
+ * returns once they are in place. Stores what was done in `*out` unless it is NULL.
+ *
+ * All or nothing: returns `MB_ERR_OUT_OF_MEMORY` when the memory cannot be had (the cap, the
+ * device) and `MB_ERR_DRIVER` when a driver call fails, with the tag still asleep and its bytes
+ * kept (free memory and call again); `MB_ERR_TAG_STATE` for a tag that is not asleep;
+ * `MB_ERR_INVALID_ARGUMENT` for a NULL `alloc` or `tag` or a bad name.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `tag` is NULL or a NUL-terminated string;
+ * `out` is NULL or valid for a write of an `mb_wake_report`.
+ */
+int mb_wake(struct mb_allocator *alloc, const char *tag, struct mb_wake_report *out);
+
+/**
+ * Stores in `*out_bytes` the bytes of pinned host memory `alloc` holds for sleeps: the bytes
+ * of tags asleep with `MB_BACKUP_HOST`, and spare pieces kept for the next sleep.
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_get_host_memory(struct mb_allocator *alloc, uint64_t *out_bytes);
+
+/**
+ * Gives the spare pinned host memory of `alloc` back to the system (what tags asleep hold
+ * stays), and stores the bytes freed in `*out_bytes` unless it is NULL. Returns
+ * `MB_ERR_DRIVER` when freeing a piece fails (`*out_bytes` is not written then).
+ *
+ * # Safety
+ * `alloc` is NULL or a live handle from `mb_create`; `out_bytes` is NULL or valid for a write.
+ */
+int mb_release_host_memory(struct mb_allocator *alloc, uint64_t *out_bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

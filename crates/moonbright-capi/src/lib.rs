@@ -5,7 +5,8 @@
 //! `options.rs` turns `mb_options` into the core's; `calls.rs` holds the allocator's entry
 //! points; `status.rs` the status codes, the last error, the wrapper every entry point runs in
 //! and the strings; `types.rs` the C structures; `paged.rs`, `growable.rs` and `ipc.rs` the
-//! paged pool's, growable allocations' and sharing's entry points.
+//! paged pool's, growable allocations' and sharing's entry points; `tags.rs` the tags', sleep's
+//! and wake's.
 //!
 //! Conventions, for every function:
 //! - Fallible functions return an `int` status, `MB_OK` (0) on success. On failure the output
@@ -32,10 +33,13 @@ mod growable;
 
 mod ipc;
 
+mod tags;
+
 pub use calls::*;
 pub use growable::*;
 pub use ipc::*;
 pub use options::*;
 pub use paged::*;
 pub use status::*;
+pub use tags::*;
 pub use types::*;

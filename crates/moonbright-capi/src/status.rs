@@ -42,8 +42,9 @@ pub const MB_ERR_CAPACITY: c_int = 11;
 pub const MB_ERR_INVALID_REQUEST: c_int = 12;
 /// Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
 pub const MB_ERR_IPC: c_int = 13;
-/// A tag that is not awake: an allocation into it or a free of its memory while it sleeps, a
-/// sleep of a tag asleep already, a wake of one awake (`mb_sleep`, `mb_wake`).
+/// A tag not in the state the call needs: an allocation into it or a free of its memory while
+/// it sleeps, a sleep of a tag that is not awake (or whose memory was exported, or one of whose
+/// requests is mapping on another thread), a wake of one awake (`mb_sleep`, `mb_wake`).
 pub const MB_ERR_TAG_STATE: c_int = 14;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.

@@ -1,8 +1,9 @@
-//! The C structures: the opaque allocator, its options, and its statistics, with their
-//! conversions from the core's.
+//! The C structures: the opaque allocator, its options, its statistics, and the reports of
+//! sleep and wake, with their conversions from the core's.
 
 use std::ffi::c_int;
 
+use moonbright::tags::{SleepReport, WakeReport};
 use moonbright::{Allocator, CallKind, Stat, Stats};
 
 /// An allocator (opaque). Made by `mb_create`, destroyed by `mb_destroy`. Any number of threads
@@ -10,6 +11,14 @@ use moonbright::{Allocator, CallKind, Stat, Stats};
 /// `mb_destroy` must not overlap any other call on it.
 pub struct mb_allocator {
     pub(crate) inner: Allocator,
+}
+
+impl mb_allocator {
+    /// The core allocator behind the handle, for Rust code that links this crate: its tests
+    /// read and write device memory through it, which the C API leaves to the CUDA runtime.
+    pub fn allocator(&self) -> &Allocator {
+        &self.inner
+    }
 }
 
 /// Options of an allocator. Fill with `mb_options_default`, then change what you need. A field
@@ -91,6 +100,40 @@ pub struct mb_stats {
     pub growable_committed_bytes: mb_stat,
     /// Resizes of growable allocations that mapped or gave back pages (none copies).
     pub growable_resizes: u64,
+    /// Bytes of ranges whose tag is asleep (`mb_sleep`): unmapped, their memory given back,
+    /// their addresses kept. Their allocations still count in `allocated_bytes` and
+    /// `active_bytes`, not in `reserved_bytes`.
+    pub asleep_bytes: mb_stat,
+}
+
+/// What `mb_sleep` did.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct mb_sleep_report {
+    /// Bytes of mapped ranges taken out of service: the tag's allocations, rounded to pages,
+    /// with the sub-page arenas that hold its small ones.
+    pub bytes: u64,
+    /// Of them, device memory given back to the driver (less than `bytes` where a chunk's
+    /// earlier mapping still waited for other work: that chunk stays in the allocator's pool).
+    pub released: u64,
+    /// Bytes copied to host memory (0 with `MB_BACKUP_DISCARD`).
+    pub backed_up: u64,
+    /// Seconds the call took.
+    pub seconds: f64,
+}
+
+/// What `mb_wake` did.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct mb_wake_report {
+    /// Bytes mapped again.
+    pub bytes: u64,
+    /// Of them, bytes of newly created chunks (the rest came from memory the allocator held).
+    pub created: u64,
+    /// Bytes copied back from host memory.
+    pub restored: u64,
+    /// Seconds the call took.
+    pub seconds: f64,
 }
 
 impl From<Stat> for mb_stat {
@@ -123,6 +166,29 @@ impl From<&Stats> for mb_stats {
             reserve_calls: calls(CallKind::Reserve),
             growable_committed_bytes: s.growable_committed_bytes.into(),
             growable_resizes: s.growable_resizes,
+            asleep_bytes: s.asleep_bytes.into(),
+        }
+    }
+}
+
+impl From<&SleepReport> for mb_sleep_report {
+    fn from(r: &SleepReport) -> Self {
+        mb_sleep_report {
+            bytes: r.bytes,
+            released: r.released,
+            backed_up: r.backed_up,
+            seconds: r.seconds,
+        }
+    }
+}
+
+impl From<&WakeReport> for mb_wake_report {
+    fn from(r: &WakeReport) -> Self {
+        mb_wake_report {
+            bytes: r.bytes,
+            created: r.created,
+            restored: r.restored,
+            seconds: r.seconds,
         }
     }
 }

@@ -618,3 +618,284 @@ fn ipc_send_recv_close_and_their_statuses() {
         assert_eq!(mb_destroy(a), MB_OK);
     }
 }
+
+/// Allocates `sizes` on `a` with the thread's tag `tag`, each filled with a pattern of its own
+/// (written through the core allocator: the C API leaves copies to the CUDA runtime).
+fn tagged(a: *mut mb_allocator, tag: &CStr, sizes: &[usize]) -> Vec<(u64, Vec<u8>)> {
+    let mut previous = u32::MAX;
+    // SAFETY: `a` is a live handle (the caller's); `tag` is NUL-terminated; the outputs are
+    // live locals.
+    unsafe {
+        assert_eq!(mb_tag_begin(tag.as_ptr(), &mut previous), MB_OK, "{}", last_error());
+        let blocks = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| {
+                let mut p = 0u64;
+                assert_eq!(mb_malloc(a, size, &mut p), MB_OK, "{}", last_error());
+                let bytes: Vec<u8> = (0..size).map(|j| (j * 7 + i * 13 + 1) as u8).collect();
+                (*a).allocator().write(p, &bytes).unwrap();
+                (p, bytes)
+            })
+            .collect();
+        assert_eq!(mb_tag_end(previous), MB_OK);
+        blocks
+    }
+}
+
+fn intact(a: *mut mb_allocator, blocks: &[(u64, Vec<u8>)]) -> bool {
+    blocks.iter().all(|(p, bytes)| {
+        let mut back = vec![0u8; bytes.len()];
+        // SAFETY: `a` is a live handle (the caller's).
+        unsafe { (*a).allocator() }.read(*p, &mut back).unwrap();
+        &back == bytes
+    })
+}
+
+/// Sizes below a page (sharing the tag's sub-page arena), of a page, and of several.
+const TAGGED_SIZES: [usize; 4] = [1000, 40 << 10, 64 << 10, (3 << 20) + 512];
+
+#[test]
+fn tags_nest_and_end_in_reverse_order() {
+    let (mut outer, mut inner) = (u32::MAX, u32::MAX);
+    // SAFETY: the names are NUL-terminated; the outputs are live locals.
+    unsafe {
+        assert_eq!(mb_tag_begin(c"capi-nest-outer".as_ptr(), &mut outer), MB_OK);
+        assert_eq!(outer, 0, "no tag before");
+        assert_eq!(mb_tag_begin(c"capi-nest-inner".as_ptr(), &mut inner), MB_OK);
+        assert_ne!(inner, 0, "the outer tag was in effect");
+        assert_eq!(moonbright::tags::current_name().as_deref(), Some("capi-nest-inner"));
+        assert_eq!(mb_tag_end(inner), MB_OK);
+        assert_eq!(moonbright::tags::current_name().as_deref(), Some("capi-nest-outer"));
+        assert_eq!(mb_tag_end(outer), MB_OK);
+        assert_eq!(moonbright::tags::current_name(), None);
+        assert_eq!(last_error(), "");
+    }
+}
+
+#[test]
+fn a_backed_up_tag_wakes_with_its_bytes_at_its_addresses() {
+    let a = create(&host_options());
+    let weights = tagged(a, c"capi-sleep-weights", &TAGGED_SIZES);
+    let other = tagged(a, c"capi-sleep-other", &TAGGED_SIZES);
+    let mut untagged = 0u64;
+    // SAFETY: `a` is live; the names are NUL-terminated; the outputs are live locals or NULL.
+    unsafe {
+        assert_eq!(mb_malloc(a, 2 << 20, &mut untagged), MB_OK);
+        let reserved = stats(a).reserved_bytes.current;
+        let mut slept = mb_sleep_report { bytes: 1, ..Default::default() };
+        let st = mb_sleep(a, c"capi-sleep-weights".as_ptr(), MB_BACKUP_HOST, &mut slept);
+        assert_eq!(st, MB_OK, "{}", last_error());
+        assert!(slept.bytes >= TAGGED_SIZES.iter().sum::<usize>() as u64, "{slept:?}");
+        assert_eq!(slept.backed_up, slept.bytes);
+        assert_eq!(slept.released, slept.bytes, "every chunk went back to the driver");
+        assert!(slept.seconds >= 0.0);
+        let s = stats(a);
+        assert_eq!(s.asleep_bytes.current, slept.bytes);
+        assert_eq!(s.reserved_bytes.current, reserved - slept.released);
+        assert_eq!(s.allocations.current, 2 * TAGGED_SIZES.len() as u64 + 1, "still live");
+        let mut host = 0u64;
+        assert_eq!(mb_get_host_memory(a, &mut host), MB_OK);
+        assert!(host >= slept.bytes, "{host}");
+        assert!(intact(a, &other), "another tag was touched");
+
+        let mut woke = mb_wake_report::default();
+        assert_eq!(
+            mb_wake(a, c"capi-sleep-weights".as_ptr(), &mut woke),
+            MB_OK,
+            "{}",
+            last_error()
+        );
+        assert_eq!((woke.bytes, woke.restored), (slept.bytes, slept.bytes));
+        assert!(intact(a, &weights), "bytes or addresses changed");
+        assert_eq!(stats(a).asleep_bytes.current, 0);
+        assert_eq!(stats(a).asleep_bytes.peak, slept.bytes);
+
+        // What the sleep held is spare now, kept for the next sleep until released.
+        let mut released = 0u64;
+        assert_eq!(mb_release_host_memory(a, &mut released), MB_OK, "{}", last_error());
+        assert!(released >= slept.bytes, "{released}");
+        assert_eq!(mb_get_host_memory(a, &mut host), MB_OK);
+        assert_eq!(host, 0);
+        assert_eq!(mb_release_host_memory(a, ptr::null_mut()), MB_OK);
+
+        // The report is optional.
+        let st = mb_sleep(a, c"capi-sleep-weights".as_ptr(), MB_BACKUP_HOST, ptr::null_mut());
+        assert_eq!(st, MB_OK, "{}", last_error());
+        assert_eq!(mb_wake(a, c"capi-sleep-weights".as_ptr(), ptr::null_mut()), MB_OK);
+        assert!(intact(a, &weights) && intact(a, &other));
+        for (p, _) in weights.iter().chain(&other) {
+            assert_eq!(mb_free(a, *p), MB_OK, "{}", last_error());
+        }
+        assert_eq!(mb_free(a, untagged), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn a_discarded_tag_gives_its_memory_back_and_wakes_usable() {
+    let a = create(&host_options());
+    let kv = tagged(a, c"capi-sleep-kv", &TAGGED_SIZES);
+    // SAFETY: `a` is live; the names are NUL-terminated; the outputs are live locals.
+    unsafe {
+        let reserved = stats(a).reserved_bytes.current;
+        let mut slept = mb_sleep_report::default();
+        let st = mb_sleep(a, c"capi-sleep-kv".as_ptr(), MB_BACKUP_DISCARD, &mut slept);
+        assert_eq!(st, MB_OK, "{}", last_error());
+        assert_eq!(slept.backed_up, 0);
+        assert_eq!(stats(a).reserved_bytes.current, reserved - slept.released);
+        let mut host = u64::MAX;
+        assert_eq!(mb_get_host_memory(a, &mut host), MB_OK);
+        assert_eq!(host, 0, "no host memory for a discarded tag");
+        let mut woke = mb_wake_report::default();
+        assert_eq!(mb_wake(a, c"capi-sleep-kv".as_ptr(), &mut woke), MB_OK, "{}", last_error());
+        assert_eq!((woke.bytes, woke.restored), (slept.bytes, 0));
+        // Usable at the same addresses.
+        let rewritten: Vec<(u64, Vec<u8>)> =
+            kv.iter().map(|(p, bytes)| (*p, bytes.iter().map(|b| !b).collect())).collect();
+        for (p, bytes) in &rewritten {
+            (*a).allocator().write(*p, bytes).unwrap();
+        }
+        assert!(intact(a, &rewritten));
+        for (p, _) in kv {
+            assert_eq!(mb_free(a, p), MB_OK);
+        }
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn a_tag_not_awake_refuses_with_tag_state() {
+    let a = create(&host_options());
+    let blocks = tagged(a, c"capi-state", &TAGGED_SIZES);
+    let tag = c"capi-state".as_ptr();
+    // SAFETY: `a` is live; the names are NUL-terminated; the outputs are live locals or NULL.
+    unsafe {
+        assert_eq!(mb_wake(a, tag, ptr::null_mut()), MB_ERR_TAG_STATE, "awake");
+        assert!(last_error().contains("awake"), "{}", last_error());
+        assert_eq!(mb_sleep(a, tag, MB_BACKUP_HOST, ptr::null_mut()), MB_OK, "{}", last_error());
+        let mut report = mb_sleep_report { bytes: 77, ..Default::default() };
+        assert_eq!(mb_sleep(a, tag, MB_BACKUP_HOST, &mut report), MB_ERR_TAG_STATE);
+        assert!(last_error().contains("asleep already"), "{}", last_error());
+        assert_eq!(report.bytes, 77, "not written on failure");
+        // Allocating into it, freeing its memory, plain or stream-ordered.
+        let mut previous = 0u32;
+        assert_eq!(mb_tag_begin(tag, &mut previous), MB_OK);
+        let mut p = 0u64;
+        assert_eq!(mb_malloc(a, 100, &mut p), MB_ERR_TAG_STATE);
+        assert!(last_error().contains("asleep"), "{}", last_error());
+        assert_eq!(mb_malloc(a, 3 << 20, &mut p), MB_ERR_TAG_STATE);
+        assert_eq!(mb_malloc_async(a, 100, ptr::null_mut(), &mut p), MB_ERR_TAG_STATE);
+        assert_eq!(p, 0);
+        assert_eq!(mb_tag_end(previous), MB_OK);
+        for (p, _) in &blocks {
+            assert_eq!(mb_free(a, *p), MB_ERR_TAG_STATE);
+            assert_eq!(mb_free_async(a, *p, ptr::null_mut()), MB_ERR_TAG_STATE);
+        }
+        // Untagged requests carry on.
+        assert_eq!(mb_malloc(a, 100, &mut p), MB_OK);
+        assert_eq!(mb_free(a, p), MB_OK);
+        assert_eq!(mb_wake(a, tag, ptr::null_mut()), MB_OK, "{}", last_error());
+        assert_eq!(mb_wake(a, tag, ptr::null_mut()), MB_ERR_TAG_STATE, "woken already");
+        assert!(intact(a, &blocks));
+        for (p, _) in blocks {
+            assert_eq!(mb_free(a, p), MB_OK);
+        }
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn a_wake_short_of_memory_is_out_of_memory_and_leaves_the_tag_asleep() {
+    let a = create(&host_options());
+    let blocks = tagged(a, c"capi-wake-oom", &TAGGED_SIZES);
+    let tag = c"capi-wake-oom".as_ptr();
+    // SAFETY: `a` is live; the names are NUL-terminated; the outputs are live locals or NULL.
+    unsafe {
+        let mut slept = mb_sleep_report::default();
+        assert_eq!(mb_sleep(a, tag, MB_BACKUP_HOST, &mut slept), MB_OK, "{}", last_error());
+        // Other memory takes what the tag gave back, under a cap that leaves it no room.
+        let mut filler = 0u64;
+        assert_eq!(mb_malloc(a, 64 << 20, &mut filler), MB_OK);
+        let cap = stats(a).reserved_bytes.current + slept.bytes - (64 << 10);
+        assert_eq!(mb_set_cap(a, cap, ptr::null_mut()), MB_OK);
+        let mut woke = mb_wake_report { bytes: 5, ..Default::default() };
+        assert_eq!(mb_wake(a, tag, &mut woke), MB_ERR_OUT_OF_MEMORY);
+        assert!(!last_error().is_empty());
+        assert_eq!(woke.bytes, 5, "not written on failure");
+        assert_eq!(stats(a).asleep_bytes.current, slept.bytes, "still asleep");
+        assert_eq!(mb_free(a, blocks[0].0), MB_ERR_TAG_STATE, "still asleep");
+        assert_eq!(mb_free(a, filler), MB_OK);
+        assert_eq!(mb_wake(a, tag, &mut woke), MB_OK, "{}", last_error());
+        assert!(intact(a, &blocks), "the failed wake lost bytes");
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}
+
+#[test]
+fn tag_calls_refuse_null_and_bad_arguments() {
+    let a = create(&host_options());
+    let blocks = tagged(a, c"capi-args", &TAGGED_SIZES[..1]);
+    let tag = c"capi-args".as_ptr();
+    let too_long = std::ffi::CString::new("t".repeat(moonbright::tags::MAX_TAG_LEN + 1)).unwrap();
+    let not_utf8: &CStr = c"capi-\xff\xfe";
+    let (mut previous, mut n) = (7u32, 0u64);
+    let mut slept = mb_sleep_report::default();
+    let mut woke = mb_wake_report::default();
+    // SAFETY: `a` is live; the strings are NUL-terminated or NULL where the test means it; the
+    // outputs are live locals or NULL.
+    unsafe {
+        let cases: Vec<(&str, i32)> = vec![
+            ("`tag` is NULL", mb_tag_begin(ptr::null(), &mut previous)),
+            ("`out_previous` is NULL", mb_tag_begin(tag, ptr::null_mut())),
+            ("1 to 256 bytes", mb_tag_begin(c"".as_ptr(), &mut previous)),
+            ("1 to 256 bytes", mb_tag_begin(too_long.as_ptr(), &mut previous)),
+            ("not UTF-8", mb_tag_begin(not_utf8.as_ptr(), &mut previous)),
+            ("`alloc` is NULL", mb_sleep(ptr::null_mut(), tag, MB_BACKUP_HOST, &mut slept)),
+            ("`tag` is NULL", mb_sleep(a, ptr::null(), MB_BACKUP_HOST, &mut slept)),
+            ("1 to 256 bytes", mb_sleep(a, c"".as_ptr(), MB_BACKUP_HOST, &mut slept)),
+            ("not UTF-8", mb_sleep(a, not_utf8.as_ptr(), MB_BACKUP_DISCARD, &mut slept)),
+            ("`backup` is 2", mb_sleep(a, tag, 2, &mut slept)),
+            ("`backup` is -1", mb_sleep(a, tag, -1, &mut slept)),
+            ("`alloc` is NULL", mb_wake(ptr::null_mut(), tag, &mut woke)),
+            ("`tag` is NULL", mb_wake(a, ptr::null(), &mut woke)),
+            ("1 to 256 bytes", mb_wake(a, c"".as_ptr(), &mut woke)),
+            ("not UTF-8", mb_wake(a, not_utf8.as_ptr(), &mut woke)),
+            ("`alloc` is NULL", mb_get_host_memory(ptr::null_mut(), &mut n)),
+            ("`out_bytes` is NULL", mb_get_host_memory(a, ptr::null_mut())),
+            ("`alloc` is NULL", mb_release_host_memory(ptr::null_mut(), &mut n)),
+        ];
+        for (i, (message, status)) in cases.into_iter().enumerate() {
+            assert_eq!(status, MB_ERR_INVALID_ARGUMENT, "case {i}: {message}");
+        }
+        // Each message says what was wrong (checked one by one: a call clears the last one).
+        let messages: Vec<(&str, String)> = vec![
+            ("`tag` is NULL", {
+                mb_tag_begin(ptr::null(), &mut previous);
+                last_error()
+            }),
+            ("1 to 256 bytes", {
+                mb_tag_begin(c"".as_ptr(), &mut previous);
+                last_error()
+            }),
+            ("not UTF-8", {
+                mb_sleep(a, not_utf8.as_ptr(), MB_BACKUP_HOST, &mut slept);
+                last_error()
+            }),
+            ("`backup` is 2", {
+                mb_sleep(a, tag, 2, &mut slept);
+                last_error()
+            }),
+        ];
+        for (expected, message) in messages {
+            assert!(message.contains(expected), "{expected:?} not in {message:?}");
+        }
+        // Nothing changed: no tag on this thread, the outputs untouched, the tag awake.
+        assert_eq!(previous, 7);
+        assert_eq!(moonbright::tags::current_name(), None);
+        assert_eq!(slept, mb_sleep_report::default());
+        assert_eq!(stats(a).asleep_bytes.current, 0);
+        assert_eq!(mb_free(a, blocks[0].0), MB_OK);
+        assert_eq!(mb_destroy(a), MB_OK);
+    }
+}

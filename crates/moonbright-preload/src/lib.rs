@@ -30,9 +30,32 @@
 //! of other memory go to the runtime.
 //! Not interposed: the pitched, 3D, managed and pool allocation calls (they go to the runtime,
 //! and so do their frees).
+//!
+//! Tags, sleep and wake (`tags.rs`), exported for the program (from Python,
+//! `ctypes.CDLL(None).moonbright_sleep`), each returning a `cudaError_t`-like status (0 on
+//! success; the message in `moonbright_preload_last_error`):
+//!
+//! ```text
+//! int moonbright_tag_begin(const char *tag);   // the tag before, for tag_end; -1 if refused
+//! int moonbright_tag_end(int previous);
+//! int moonbright_sleep(const char *tag, int backup);   // backup: 1 host, 0 discard
+//! int moonbright_wake(const char *tag);
+//! int moonbright_release_host_memory(void);
+//! ```
+//!
+//! What the calling thread `cudaMalloc`s between a begin and its end carries the tag (names
+//! are process-wide; begins nest). Sleep and wake act on the current device's allocator, as
+//! `cudaMalloc` does, and are the core's `Allocator::sleep` and `Allocator::wake`: the tag's
+//! memory goes back to the driver with its addresses kept, and comes back at them. A sleep
+//! first waits for the device, as `cudaFree` does, since a `cudaMalloc`'s memory names no
+//! stream whose work the core could wait for. While a tag
+//! sleeps, a `cudaMalloc` under it and a `cudaFree` of its memory fail with
+//! `cudaErrorIllegalState`, as do a sleep of a sleeping tag and a wake of an awake one; a wake
+//! short of memory fails with `cudaErrorMemoryAllocation`, the tag still asleep and whole.
 
 mod ipc;
 mod runtime;
+mod tags;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -44,6 +67,7 @@ use moonbright::{conf, Allocator, BackendKind, Error, Options, StreamHandle};
 
 pub use ipc::{Handle, IpcMemHandle};
 pub use runtime::{code, Real, Runtime};
+pub use tags::{BACKUP_DISCARD, BACKUP_HOST};
 
 /// `CU_STREAM_PER_THREAD`: what the null stream means in a `_ptsz` call.
 const PER_THREAD_STREAM: u64 = 2;
@@ -103,7 +127,9 @@ fn code_of(e: &Error) -> c_int {
         Error::UnknownPointer { .. }
         | Error::DoubleFree { .. }
         | Error::InteriorPointer { .. }
-        | Error::InvalidOption { .. } => code::INVALID_VALUE,
+        | Error::InvalidOption { .. }
+        | Error::InvalidArgument(_) => code::INVALID_VALUE,
+        Error::TagAsleep { .. } | Error::TagState { .. } => code::ILLEGAL_STATE,
         _ => code::UNKNOWN,
     }
 }
@@ -417,6 +443,19 @@ impl<R: Runtime> Interposer<R> {
             .created()
             .map(|(i, a)| {
                 let s = a.stats();
+                let tags: Vec<serde_json::Value> = a
+                    .tags()
+                    .into_iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "name": &*t.name,
+                            "allocations": t.allocations,
+                            "bytes": t.bytes,
+                            "asleep": t.asleep,
+                            "backed_up": t.backed_up,
+                        })
+                    })
+                    .collect();
                 serde_json::json!({
                     "device": i,
                     "allocated_bytes": s.allocated_bytes.current,
@@ -424,6 +463,9 @@ impl<R: Runtime> Interposer<R> {
                     "reserved_bytes": s.reserved_bytes.current,
                     "reserved_bytes_peak": s.reserved_bytes.peak,
                     "allocations": s.allocations.current,
+                    "asleep_bytes": s.asleep_bytes.current,
+                    "host_memory": a.host_memory(),
+                    "tags": tags,
                 })
             })
             .collect();
@@ -585,6 +627,63 @@ pub extern "C" fn cudaFreeAsync_ptsz(ptr: *mut c_void, stream: *mut c_void) -> c
     guard(|| PRELOAD.free(ptr, Some(per_thread(stream))))
 }
 
+/// Makes `tag` the calling thread's tag: the memory its `cudaMalloc`s and `cudaMallocAsync`s
+/// get carries it until `moonbright_tag_end`. Returns the tag in effect before (0: none), to
+/// give to `moonbright_tag_end`, or -1 for a null, empty, overlong (over 256 bytes) or
+/// non-UTF-8 name, the thread's tag unchanged.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_tag_begin(tag: *const c_char) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    catch_unwind(|| unsafe { PRELOAD.tag_begin(tag) }).unwrap_or(-1)
+}
+
+/// Ends the tag that the `moonbright_tag_begin` which returned `previous` began, making
+/// `previous` the thread's tag again. Returns 0, or `cudaErrorInvalidValue` for a negative
+/// `previous` (a failed begin's), changing nothing.
+#[no_mangle]
+pub extern "C" fn moonbright_tag_end(previous: c_int) -> c_int {
+    guard(|| PRELOAD.tag_end(previous))
+}
+
+/// Puts the memory tagged `tag` on the current device to sleep: once the device's work is done
+/// (a `cudaDeviceSynchronize`, as `cudaFree` waits: a `cudaMalloc`'s memory names no stream to
+/// wait for), its bytes are copied to pinned host memory (`backup` 1) or dropped (0), and its
+/// memory is given back to the driver, its addresses kept. Returns 0;
+/// `cudaErrorInvalidValue` for a bad name or `backup`; `cudaErrorIllegalState` for a tag not
+/// awake (or whose memory was shared by `cudaIpcGetMemHandle`); `cudaErrorNotSupported` on a
+/// device whose memory is the runtime's. After a failure the tag is as it was.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_sleep(tag: *const c_char, backup: c_int) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.sleep(tag, backup) })
+}
+
+/// Wakes `tag` on the current device: its memory mapped again at the same addresses, its bytes
+/// back if its sleep kept them. Returns 0; `cudaErrorMemoryAllocation` when the memory cannot
+/// be had (the tag stays asleep, its bytes kept: free memory and call again);
+/// `cudaErrorIllegalState` for a tag that is not asleep; `cudaErrorInvalidValue` for a bad name.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn moonbright_wake(tag: *const c_char) -> c_int {
+    // SAFETY: passed on under the caller's guarantee.
+    guard(|| unsafe { PRELOAD.wake(tag) })
+}
+
+/// Gives the current device's spare pinned host memory, kept from earlier sleeps for the next,
+/// back to the system (what sleeping tags hold stays). Returns 0 or the error.
+#[no_mangle]
+pub extern "C" fn moonbright_release_host_memory() -> c_int {
+    guard(|| PRELOAD.release_host_memory())
+}
+
 /// The last error's message (`buf`, `len` as for `moonbright_preload_report`); its length, 0
 /// if none.
 ///
@@ -645,6 +744,31 @@ mod tests {
         assert_eq!(small[7], 0);
         let text: Vec<u8> = small[..7].iter().map(|&c| c as u8).collect();
         assert_eq!(text, b"{\"devic".to_vec());
+    }
+
+    /// The tag exports: the thread's tag needs no runtime; sleep and wake check their
+    /// arguments first, then need the current device.
+    #[test]
+    fn tag_exports_check_their_arguments_before_the_runtime() {
+        // SAFETY: NUL-terminated names, or null where the test means it.
+        unsafe {
+            let previous = moonbright_tag_begin(c"preload-unit".as_ptr());
+            assert_eq!(previous, 0);
+            assert_eq!(moonbright::tags::current_name().as_deref(), Some("preload-unit"));
+            assert_eq!(moonbright_tag_end(previous), code::SUCCESS);
+            assert_eq!(moonbright::tags::current_name(), None);
+            assert_eq!(moonbright_tag_begin(std::ptr::null()), -1);
+            assert_eq!(moonbright_tag_end(-1), code::INVALID_VALUE);
+            assert_eq!(moonbright_sleep(std::ptr::null(), BACKUP_HOST), code::INVALID_VALUE);
+            assert_eq!(moonbright_sleep(c"preload-unit".as_ptr(), 7), code::INVALID_VALUE);
+            assert_eq!(moonbright_wake(c"".as_ptr()), code::INVALID_VALUE);
+            if runtime::loaded_cudarts().is_empty() {
+                let tag = c"preload-unit".as_ptr();
+                assert_eq!(moonbright_sleep(tag, BACKUP_HOST), code::INITIALIZATION_ERROR);
+                assert_eq!(moonbright_wake(tag), code::INITIALIZATION_ERROR);
+                assert_eq!(moonbright_release_host_memory(), code::INITIALIZATION_ERROR);
+            }
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod code {
     pub const INITIALIZATION_ERROR: c_int = 3;
     pub const MAP_BUFFER_OBJECT_FAILED: c_int = 205;
     pub const INVALID_RESOURCE_HANDLE: c_int = 400;
+    pub const ILLEGAL_STATE: c_int = 401;
     pub const NOT_SUPPORTED: c_int = 801;
     pub const STREAM_CAPTURE_UNSUPPORTED: c_int = 900;
     pub const UNKNOWN: c_int = 999;
@@ -164,7 +165,7 @@ fn resolve(sym: impl Fn(&CStr) -> *mut c_void) -> Option<Fns> {
 }
 
 /// The paths of the loaded objects whose file name starts with `libcudart.so`.
-fn loaded_cudarts() -> Vec<std::ffi::CString> {
+pub(crate) fn loaded_cudarts() -> Vec<std::ffi::CString> {
     unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> c_int {
         // SAFETY: dl_iterate_phdr passes a valid `info` for the call, and `data` is the
         // `Vec` that `loaded_cudarts` passed in, alive and not otherwise borrowed meanwhile.

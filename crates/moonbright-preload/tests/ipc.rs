@@ -481,3 +481,21 @@ fn another_users_importer_is_refused_by_the_broker() {
     assert!(text.contains("answer 1 then 0 bytes"), "not refused: {text}");
     assert_eq!(ex.free(p as *mut c_void, None), code::SUCCESS);
 }
+
+#[test]
+fn a_tag_whose_memory_was_shared_does_not_sleep() {
+    let ip = leaked(host_options);
+    // SAFETY: the name is NUL-terminated.
+    let previous = unsafe { ip.tag_begin(c"preload-ipc-shared".as_ptr()) };
+    let (_, p) = malloc(ip, 4 * MIB, None);
+    assert_eq!(ip.tag_end(previous), code::SUCCESS);
+    allocator(ip).write(p, b"shared").unwrap();
+    assert_eq!(handle(ip, p).0, code::SUCCESS, "{:?}", ip.last_error());
+    let tag = c"preload-ipc-shared".as_ptr();
+    // SAFETY: the name is NUL-terminated.
+    assert_eq!(unsafe { ip.sleep(tag, moonbright_preload::BACKUP_HOST) }, code::ILLEGAL_STATE);
+    assert!(ip.last_error().unwrap().contains("exported"), "{:?}", ip.last_error());
+    assert_eq!(read(allocator(ip), p, 6), b"shared");
+    assert_eq!(allocator(ip).stats().asleep_bytes.current, 0, "the tag is awake");
+    assert_eq!(ip.free(p as *mut c_void, None), code::SUCCESS);
+}

@@ -1,7 +1,8 @@
 /*
  * basic.c: the MoonBright C API in a few lines. Creates an allocator on the host backend (a CPU
  * model of the CUDA virtual-memory API, so no GPU is needed), allocates three sizes, frees them,
- * and prints the statistics. Exits non-zero on any failure.
+ * prints the statistics, and puts a tag's memory to sleep and wakes it. Exits non-zero on any
+ * failure.
  *
  * Build (from crates/moonbright-capi, after `cargo build -p moonbright-capi`):
  *   cc -Iinclude examples/c/basic.c ../../target/debug/libmoonbright_capi.a -lpthread -ldl -lm -o basic
@@ -89,6 +90,30 @@ int main(void) {
            ", reserve %" PRIu64 "\n",
            stats.cache_hits, stats.num_ooms, stats.create_calls, stats.map_calls,
            stats.set_access_calls, stats.unmap_calls, stats.release_calls, stats.reserve_calls);
+
+    /* Tags: what this thread allocates between mb_tag_begin and mb_tag_end carries the tag. A
+     * sleeping tag's memory goes back to the driver, its bytes to host memory and its addresses
+     * kept, until mb_wake maps it again where it was. */
+    uint32_t previous = 0;
+    uint64_t weights[2] = {0, 0};
+    CHECK(mb_tag_begin("weights", &previous));
+    for (int i = 0; i < 2; i++) CHECK(mb_malloc(alloc, 4u << 20, &weights[i]));
+    CHECK(mb_tag_end(previous));
+    mb_sleep_report slept;
+    CHECK(mb_sleep(alloc, "weights", MB_BACKUP_HOST, &slept));
+    CHECK(mb_get_stats(alloc, &stats));
+    EXPECT(stats.asleep_bytes.current == slept.bytes && slept.backed_up == slept.bytes);
+    EXPECT(mb_free(alloc, weights[0]) == MB_ERR_TAG_STATE);
+    mb_wake_report woke;
+    CHECK(mb_wake(alloc, "weights", &woke));
+    EXPECT(woke.bytes == slept.bytes && woke.restored == slept.bytes);
+    printf("tag \"weights\": slept %" PRIu64 " bytes (%" PRIu64 " given back to the driver), "
+           "woke them at the same addresses\n",
+           slept.bytes, slept.released);
+    for (int i = 0; i < 2; i++) CHECK(mb_free(alloc, weights[i]));
+    uint64_t host_freed = 0;
+    CHECK(mb_release_host_memory(alloc, &host_freed));
+    EXPECT(host_freed >= slept.bytes);
 
     CHECK(mb_destroy(alloc));
 
