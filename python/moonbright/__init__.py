@@ -51,12 +51,13 @@ leave the message for :func:`last_error`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pickle
 import re
 import sys
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 
 def _pip_nvrtc(paths: list[str]) -> list[str]:
@@ -100,6 +101,7 @@ from ._moonbright import (  # noqa: E402
     check_invariants,
     clear_last_error,
     configure,
+    current_tag,
     empty_cache,
     enable_peer_access,
     end_allocate_to_pool,
@@ -108,6 +110,7 @@ from ._moonbright import (  # noqa: E402
     graph_pool_free,
     graph_pool_live,
     graph_replayed,
+    host_memory,
     is_initialized,
     last_error,
     memory_fraction,
@@ -121,6 +124,7 @@ from ._moonbright import (  # noqa: E402
     nvrtc_version,
     release_graph_pool,
     reset_accumulated_memory_stats,
+    release_host_memory,
     reset_peak_memory_stats,
     set_cap,
     set_graph_pool_live,
@@ -142,6 +146,7 @@ __all__ = [
     "check_invariants",
     "clear_last_error",
     "configure",
+    "current_tag",
     "dump_snapshot",
     "empty_cache",
     "enable_peer_access",
@@ -151,6 +156,7 @@ __all__ = [
     "graph_pool_free",
     "graph_pool_live",
     "graph_replayed",
+    "host_memory",
     "ipc",
     "is_initialized",
     "last_error",
@@ -166,13 +172,87 @@ __all__ = [
     "record_memory_history",
     "record_stream",
     "release_graph_pool",
+    "release_host_memory",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_cap",
     "set_graph_pool_live",
     "set_memory_fraction",
+    "sleep",
     "snapshot",
+    "tag",
+    "tags",
+    "wake",
 ]
+
+
+@contextlib.contextmanager
+def tag(name: str) -> Iterator[None]:
+    """Tags the calling thread's allocations with ``name`` inside the ``with`` block (blocks
+    nest; other threads are not tagged), so that :func:`sleep` and :func:`wake` take them as one
+    group: a model's weights, its KV cache. Works in every mode, since the tag is read on the
+    allocating thread: ``moonbright.torch.enable()``, ``moonbright.torch.pool()`` (give each tag
+    a pool of its own: PyTorch's caching allocator reuses a pool's segments for whatever is
+    allocated into it later), and the interposer (``moonbright_tag_begin``). A tagged
+    allocation never shares memory with another tag or with untagged ones, so a tag's small
+    tensors take arenas of their own (at most one page per tag is left partly empty).
+
+    PyTorch's autograd runs the backward pass on threads of its own: gradients are untagged
+    unless allocated beforehand (``zero_grad(set_to_none=False)``) in the block."""
+    previous = _moonbright.tag_enter(name)
+    try:
+        yield
+    finally:
+        _moonbright.tag_restore(previous)
+
+
+def _tag_list(tags: str | Iterable[str]) -> list[str]:
+    return [tags] if isinstance(tags, str) else list(tags)
+
+
+def sleep(
+    tags: str | Iterable[str], *, backup: bool = True, device: int | None = None
+) -> dict[str, Any]:
+    """Puts every allocation tagged with ``tags`` (one name or several) on ``device`` to sleep:
+    waits for the work queued on the streams they were allocated or recorded on (by events: no
+    device-wide synchronisation, and other streams' kernels keep running), copies their bytes
+    to pinned host memory if ``backup`` (else drops them), then unmaps their memory and gives it
+    back to the driver, so ``torch.cuda.mem_get_info`` counts it free. Their virtual addresses
+    stay reserved: tensors, pointers and CUDA graphs that hold them are valid again after
+    :func:`wake`. Until then, allocating with the tag, freeing its tensors and sleeping it
+    again raise ``RuntimeError`` (a tensor of a sleeping tag must outlive its sleep: under
+    ``moonbright.torch.enable()`` its free would be refused, and its memory lost to the tag).
+
+    Tags go to sleep one at a time, in order; if one fails, those before it stay asleep and it
+    stays awake, as it was. Pinned host memory is kept for the next sleep once a wake returns
+    it (:func:`host_memory`, :func:`release_host_memory`). Returns the totals:
+    ``{"bytes", "released", "backed_up", "seconds"}``."""
+    total = {"bytes": 0, "released": 0, "backed_up": 0, "seconds": 0.0}
+    for name in _tag_list(tags):
+        for key, value in _moonbright.sleep_tag(name, backup, device).items():
+            total[key] += value
+    return total
+
+
+def wake(tags: str | Iterable[str], *, device: int | None = None) -> dict[str, Any]:
+    """Wakes ``tags`` on ``device``: maps their memory again at the same addresses and copies
+    their bytes back if their sleep kept them (a tag slept without backup holds whatever the new
+    memory held); returns once the bytes are in place. All or nothing per tag: a tag whose
+    memory cannot be had raises ``MemoryError`` (any other failure ``RuntimeError``) and stays
+    asleep with its bytes; free memory and call again. Returns the totals: ``{"bytes",
+    "created", "restored", "seconds"}`` (``created``: bytes of new physical memory; the rest came
+    from memory MoonBright held free)."""
+    total = {"bytes": 0, "created": 0, "restored": 0, "seconds": 0.0}
+    for name in _tag_list(tags):
+        for key, value in _moonbright.wake_tag(name, device).items():
+            total[key] += value
+    return total
+
+
+def tags(device: int | None = None) -> dict[str, dict[str, Any]]:
+    """Every tag with live allocations or asleep on ``device``: name -> ``{"allocations",
+    "bytes", "asleep", "backed_up"}``."""
+    return _moonbright.tags_info(device)
 
 
 def library_path() -> str:

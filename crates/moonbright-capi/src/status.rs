@@ -42,6 +42,9 @@ pub const MB_ERR_CAPACITY: c_int = 11;
 pub const MB_ERR_INVALID_REQUEST: c_int = 12;
 /// Memory could not be shared with, or taken from, another process (`mb_ipc_*`).
 pub const MB_ERR_IPC: c_int = 13;
+/// A tag that is not awake: an allocation into it or a free of its memory while it sleeps, a
+/// sleep of a tag asleep already, a wake of one awake (`mb_sleep`, `mb_wake`).
+pub const MB_ERR_TAG_STATE: c_int = 14;
 
 /// `mb_options.backend`: CUDA when a GPU is present, the host backend otherwise.
 pub const MB_BACKEND_AUTO: c_int = 0;
@@ -89,6 +92,7 @@ pub(crate) fn status_of(e: &Error) -> c_int {
         | Error::Released { .. } => MB_ERR_INVALID_POINTER,
         Error::NoBackend(_) => MB_ERR_NO_BACKEND,
         Error::StreamCapture { .. } | Error::GraphPool { .. } => MB_ERR_STREAM_CAPTURE,
+        Error::TagAsleep { .. } | Error::TagState { .. } => MB_ERR_TAG_STATE,
         Error::Driver(_) => MB_ERR_DRIVER,
     }
 }
@@ -224,6 +228,7 @@ pub extern "C" fn mb_status_string(status: c_int) -> *const c_char {
         MB_ERR_CAPACITY => c"capacity exceeded",
         MB_ERR_INVALID_REQUEST => c"invalid request",
         MB_ERR_IPC => c"inter-process sharing failed",
+        MB_ERR_TAG_STATE => c"tag is not in the state the call needs",
         _ => c"unknown status",
     };
     s.as_ptr()

@@ -8,8 +8,9 @@
 //!
 //! This file holds the per-device allocators, the configuration they are created with, the last
 //! error, and the module's table of functions; `entry.rs` the C entry points; `settings.rs`,
-//! `stats.rs`, `limits.rs`, `ipc.rs`, `streams.rs`, `growable.rs`, `paged.rs` and `tools.rs` the
-//! Python functions by concern; `stacks.rs` the Python stacks recorded with the history.
+//! `stats.rs`, `limits.rs`, `ipc.rs`, `streams.rs`, `growable.rs`, `paged.rs`, `sleep.rs` and
+//! `tools.rs` the Python functions by concern; `stacks.rs` the Python stacks recorded with the
+//! history.
 
 mod entry;
 mod growable;
@@ -17,6 +18,7 @@ mod ipc;
 mod limits;
 mod paged;
 mod settings;
+mod sleep;
 mod stacks;
 mod stats;
 mod streams;
@@ -192,6 +194,14 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<growable::Growable>()?;
     m.add_function(wrap_pyfunction!(settings::configure, m)?)?;
     m.add_function(wrap_pyfunction!(settings::_use_torch_contract, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::tag_enter, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::tag_restore, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::current_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::sleep_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::wake_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::tags_info, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::host_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::release_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_send, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_recv, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_close, m)?)?;

@@ -17,6 +17,8 @@ use crate::stream::{worker, Shared};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+mod sleep;
+
 /// A MoonBright allocator for one device. `Send + Sync`: any thread may allocate and free, on
 /// any stream.
 pub struct Allocator {

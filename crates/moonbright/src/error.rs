@@ -147,6 +147,23 @@ pub enum Error {
     /// An export or import of memory shared with another process (module `ipc`) was refused.
     #[error("inter-process sharing: {0}")]
     Ipc(String),
+    /// An allocation into, or a free of an allocation of, a tag that is asleep (or on its way
+    /// to sleep or back): wake the tag first (`Allocator::wake`).
+    #[error("tag {tag:?} is asleep: {what} must wait until it is woken (Allocator::wake)")]
+    TagAsleep {
+        /// The tag's name.
+        tag: String,
+        /// What was refused.
+        what: &'static str,
+    },
+    /// A sleep of a tag asleep already, or a wake of a tag that is awake.
+    #[error("tag {tag:?}: {reason}")]
+    TagState {
+        /// The tag's name.
+        tag: String,
+        /// What does not match.
+        reason: String,
+    },
     /// A bad argument that no other variant names.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -25,6 +25,7 @@ pub mod libs;
 pub mod nvrtc;
 mod stream;
 pub(crate) mod sync;
+pub mod tags;
 #[doc(hidden)]
 pub mod testing;
 
@@ -34,3 +35,4 @@ pub use core::stats::{Stat, Stats};
 pub use driver::{Backend, CallKind, DevicePtr, DriverError, StreamHandle};
 pub use error::{Error, Result};
 pub use ipc::Export;
+pub use tags::{Backup, SleepReport, TagInfo, WakeReport};

@@ -24,6 +24,7 @@ use super::subpage::{SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, VaSpace};
 use crate::driver::{CallCounts, DriverError, EventHandle};
 use crate::error::{Error, Result};
+use crate::tags::TagId;
 
 mod cache;
 mod carve;
@@ -37,6 +38,7 @@ mod live;
 mod plan;
 mod policy;
 mod ranges;
+mod sleep;
 mod unmap;
 mod window;
 use cache::Cache;
@@ -47,6 +49,8 @@ pub(crate) use growable::Resize;
 use live::{Backing, Live, LiveTable, RECENT_FREES};
 use policy::{Ask, Placed};
 use ranges::{Range, Ranges, Use};
+use sleep::Sleepers;
+pub(crate) use sleep::{SleepWork, WakeWork};
 use window::WindowBooks;
 
 /// Index of a range in the heap.
@@ -257,6 +261,8 @@ pub(crate) struct Heap {
     claims: Claims,
     /// Growable allocations by base address (released ones until their addresses are unmapped).
     growables: BTreeMap<u64, Growable>,
+    /// Tags asleep, or on their way to sleep or back.
+    sleepers: Sleepers,
     stats: Stats,
     notes: Notes,
 }
@@ -276,6 +282,7 @@ impl Heap {
             live: LiveTable::default(),
             claims: Claims::default(),
             growables: BTreeMap::new(),
+            sleepers: Sleepers::default(),
             stats: Stats::default(),
             notes: Notes::default(),
         }
@@ -374,29 +381,45 @@ impl Heap {
         Ok(())
     }
 
-    /// Serves `size` bytes for `stream` without the driver if it can: the stream's own pending
-    /// frees, the cache, an arena, the window. Otherwise says what range is needed.
-    pub fn try_fast(&mut self, size: u64, stream: u64) -> Result<Fast> {
+    /// Serves `size` bytes of `tag` (0: untagged) for `stream` without the driver if it can:
+    /// the stream's own pending frees, the cache, an arena, the window. Otherwise says what
+    /// range is needed. A tagged request gets memory no other tag shares (a range of its own,
+    /// or space in the tag's own arenas), so that the tag can sleep alone (`sleep.rs`).
+    pub fn try_fast(&mut self, size: u64, stream: u64, tag: TagId) -> Result<Fast> {
         self.check_size(size)?;
+        if tag != 0 {
+            self.check_awake(tag, "an allocation")?;
+        }
         if size < self.lim.page {
             let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
-            if let Some((arena, offset)) = self.sub.alloc(rounded, stream) {
+            if let Some((arena, offset)) = self.sub.alloc(rounded, stream, tag) {
                 let ptr = self.range(arena).va + offset;
-                self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
+                self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset }, tag);
                 return Ok(Fast::Done(ptr));
             }
-            return Ok(match self.place_arena_page(&mut Ask::new(size, 1, stream)) {
-                Some(Placed::Range(id)) => Fast::Done(self.start_arena(id, size, stream)),
+            return Ok(match self.place_arena_page(&mut Ask::new(size, 1, stream, tag)) {
+                Some(Placed::Range(id)) => Fast::Done(self.start_arena(id, size, stream, tag)),
                 Some(Placed::Block(_)) => unreachable!("an arena's page is a range"),
-                None => Fast::NeedRange { pages: 1, arena: true },
+                None => self.need_range(1, true, tag),
             });
         }
         let pages = size.div_ceil(self.lim.page);
-        Ok(match self.place_pages(&mut Ask::new(size, pages, stream)) {
-            Some(Placed::Range(id)) => Fast::Done(self.finish_range(id, size, stream)),
+        Ok(match self.place_pages(&mut Ask::new(size, pages, stream, tag)) {
+            Some(Placed::Range(id)) => Fast::Done(self.finish_range(id, size, stream, tag)),
             Some(Placed::Block(ptr)) => Fast::Done(ptr),
-            None => Fast::NeedRange { pages, arena: false },
+            None => self.need_range(pages, false, tag),
         })
+    }
+
+    /// A request of `tag` leaves the fast paths to map a range; a tagged one is counted until
+    /// it finishes or comes back (`end_tagged_request`), so that its tag cannot go to sleep
+    /// meanwhile.
+    #[inline]
+    fn need_range(&mut self, pages: u64, arena: bool, tag: TagId) -> Fast {
+        if tag != 0 {
+            self.note_tagged_request(tag);
+        }
+        Fast::NeedRange { pages, arena }
     }
 
     /// Whether a repeated size's new memory comes in smaller chunks
@@ -418,16 +441,18 @@ impl Heap {
         self.stats.request_released_chunks += plan.release.len() as u64;
     }
 
-    /// Completes a request with a range mapped for it: a new arena's first block, or the
-    /// allocation itself.
-    pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool) -> u64 {
+    /// Completes a request of `tag` with a range mapped for it: a new arena's first block, or
+    /// the allocation itself. The tag cannot have gone to sleep meanwhile: a sleep is refused
+    /// while requests of its tag are in flight (`sleep.rs`).
+    pub fn finish(&mut self, id: RangeId, size: u64, stream: u64, arena: bool, tag: TagId) -> u64 {
+        self.end_tagged_request(tag);
         let pages = self.range(id).pages;
         self.note_fresh(pages, pages);
         self.window.last_request_map = Some(crate::sync::Instant::now());
         if arena {
-            self.start_arena(id, size, stream)
+            self.start_arena(id, size, stream, tag)
         } else {
-            self.finish_range(id, size, stream)
+            self.finish_range(id, size, stream, tag)
         }
     }
 
@@ -437,26 +462,34 @@ impl Heap {
         self.window.note_fresh(asked, got);
     }
 
-    fn start_arena(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
+    fn start_arena(&mut self, id: RangeId, size: u64, stream: u64, tag: TagId) -> u64 {
         self.range_mut(id).use_ = Use::Arena;
-        self.sub.add_arena(id, self.lim.page);
+        self.sub.add_arena(id, self.lim.page, tag);
         let rounded = size.next_multiple_of(SUBPAGE_ALIGN);
         let (arena, offset) =
-            self.sub.alloc(rounded, stream).expect("a fresh arena fits any sub-page request");
+            self.sub.alloc(rounded, stream, tag).expect("a fresh arena fits any sub-page request");
         let ptr = self.range(arena).va + offset;
-        self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset });
+        self.finish_live(ptr, size, rounded, stream, Backing::Sub { arena, offset }, tag);
         ptr
     }
 
-    fn finish_range(&mut self, id: RangeId, size: u64, stream: u64) -> u64 {
+    fn finish_range(&mut self, id: RangeId, size: u64, stream: u64, tag: TagId) -> u64 {
         self.range_mut(id).use_ = Use::Alloc;
         let r = self.range(id);
         let (ptr, rounded) = (r.va, self.bytes(r.pages));
-        self.finish_live(ptr, size, rounded, stream, Backing::Range(id));
+        self.finish_live(ptr, size, rounded, stream, Backing::Range(id), tag);
         ptr
     }
 
-    fn finish_live(&mut self, ptr: u64, size: u64, rounded: u64, stream: u64, backing: Backing) {
+    fn finish_live(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        rounded: u64,
+        stream: u64,
+        backing: Backing,
+        tag: TagId,
+    ) {
         if matches!(backing, Backing::Sub { arena, .. } if self.range(arena).use_ == Use::Arena) {
             self.stats.subpage_allocations += 1;
         }
@@ -466,7 +499,7 @@ impl Heap {
         }
         self.live.forget_free(ptr);
         self.note(HistoryAction::Alloc, ptr, size, stream);
-        let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false };
+        let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false, tag };
         let prev = self.live.allocs.insert(ptr, live);
         debug_assert!(prev.is_none(), "pointer handed out twice");
     }

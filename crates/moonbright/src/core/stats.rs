@@ -59,6 +59,9 @@ pub struct Stats {
     pub cached_ranges: Stat,
     /// Ranges waiting for their unmap.
     pub retired_ranges: Stat,
+    /// Bytes of ranges whose tag is asleep: unmapped, their memory given back, their addresses
+    /// kept (their allocations still count in `allocated_bytes` and `active_bytes`).
+    pub asleep_bytes: Stat,
     /// Bytes of pages committed to growable allocations (also counted in `active_bytes`, and
     /// their sizes in `allocated_bytes`).
     pub growable_committed_bytes: Stat,
@@ -172,6 +175,7 @@ stat_fields!(
     window_bytes,
     cached_ranges,
     retired_ranges,
+    asleep_bytes,
     growable_committed_bytes,
 );
 

@@ -19,6 +19,7 @@
 use std::collections::BTreeSet;
 
 use super::sorted::SortedMap;
+use crate::tags::TagId;
 
 // Keys are arena ids and stream handles: a fast hash, not a DoS-resistant one.
 #[cfg(not(loom))]
@@ -64,6 +65,8 @@ struct Extent {
 #[derive(Debug)]
 struct Arena {
     len: u64,
+    /// The tag of every block cut from it (0: none): only requests of that tag take its space.
+    tag: TagId,
     /// Free extents by offset, coalesced where their owners allow.
     free: SortedMap<Extent>,
     /// Used blocks, offset -> len (for interior-pointer errors and checks).
@@ -110,14 +113,22 @@ pub(crate) struct Emptied {
     pub held: Option<(u64, u64)>,
 }
 
-/// An extent's place in a size index: (len, arena, offset) in one ordered integer, so that best
-/// fit is the first key at or above `key(size, 0, 0)`. Arenas are at most 4 GiB.
-fn key(len: u64, id: ArenaId, off: u64) -> u128 {
-    (u128::from(len) << 96) | (u128::from(id) << 64) | u128::from(off)
+/// An extent's place in a size index: (tag, len, arena, offset) in one ordered integer, so that
+/// best fit for a tag is the first key at or above `key(tag, size, 0, 0)` and below the next
+/// tag's keys. Arenas are at most 4 GiB, so a length and an offset take 32 bits each.
+fn key(tag: TagId, len: u64, id: ArenaId, off: u64) -> u128 {
+    debug_assert!(len < 1 << 32 && off < 1 << 32);
+    (u128::from(tag) << 96) | (u128::from(len) << 64) | (u128::from(id) << 32) | u128::from(off)
 }
 
+/// The lowest key of the tag after `tag`.
+fn next_tag_key(tag: TagId) -> u128 {
+    (u128::from(tag) + 1) << 96
+}
+
+/// (len, arena, offset) of a key.
 fn unkey(k: u128) -> (u64, ArenaId, u64) {
-    ((k >> 96) as u64, (k >> 64) as u32, k as u64)
+    ((k >> 64) as u32 as u64, (k >> 32) as u32, k as u32 as u64)
 }
 
 fn is_held(o: Owner) -> usize {
@@ -175,6 +186,7 @@ impl SubPage {
     pub fn split_arena(&mut self, id: ArenaId, at: u64, new: ArenaId) {
         debug_assert!(self.block_containing(id, at).map_or(true, |(o, _)| o == at));
         let a = self.arenas.get_mut(&id).expect("split_arena: no such arena");
+        let tag = a.tag;
         assert!(at > 0 && at < a.len && at % SUBPAGE_ALIGN == 0, "split_arena: bad offset {at}");
         // A free extent across the cut: its head stays, its tail moves.
         let mut moved_free: Vec<(u64, Extent)> = Vec::new();
@@ -183,14 +195,14 @@ impl SubPage {
         if let Some((p, &e)) = a.free.last_below(at) {
             if p + e.len > at {
                 let head = at - p;
-                stale.push((key(e.len, id, p), e.owner));
-                fresh.push((key(head, id, p), e.owner));
+                stale.push((key(tag, e.len, id, p), e.owner));
+                fresh.push((key(tag, head, id, p), e.owner));
                 a.free.get_mut(p).expect("just found").len = head;
                 moved_free.push((at, Extent { len: e.len - head, owner: e.owner }));
             }
         }
         for (o, e) in a.free.split_off(at) {
-            stale.push((key(e.len, id, o), e.owner));
+            stale.push((key(tag, e.len, id, o), e.owner));
             a.held -= is_held(e.owner);
             moved_free.push((o, e));
         }
@@ -201,6 +213,7 @@ impl SubPage {
         a.len = at;
         let mut b = Arena {
             len,
+            tag,
             free: SortedMap::default(),
             used: SortedMap::from_sorted(used.into_iter().map(|(o, l)| (o - at, l))),
             used_bytes: moved_used,
@@ -209,7 +222,7 @@ impl SubPage {
         for (o, e) in moved_free {
             b.free.insert(o - at, e);
             b.held += is_held(e.owner);
-            fresh.push((key(e.len, new, o - at), e.owner));
+            fresh.push((key(tag, e.len, new, o - at), e.owner));
         }
         let prev = self.arenas.insert(new, b);
         debug_assert!(prev.is_none());
@@ -221,12 +234,13 @@ impl SubPage {
         }
     }
 
-    pub fn add_arena(&mut self, id: ArenaId, len: u64) {
+    /// Adds arena `id` of `len` bytes, all free, for requests of `tag` (0: untagged ones).
+    pub fn add_arena(&mut self, id: ArenaId, len: u64, tag: TagId) {
         assert!(len < 1 << 32, "arenas are at most 4 GiB");
         let mut free = SortedMap::default();
         free.insert(0, Extent { len, owner: Owner::Open });
-        self.open.insert(key(len, id, 0));
-        let arena = Arena { len, free, used: SortedMap::default(), used_bytes: 0, held: 0 };
+        self.open.insert(key(tag, len, id, 0));
+        let arena = Arena { len, tag, free, used: SortedMap::default(), used_bytes: 0, held: 0 };
         let prev = self.arenas.insert(id, arena);
         debug_assert!(prev.is_none());
         self.free_bytes += len;
@@ -243,7 +257,7 @@ impl SubPage {
         debug_assert!(a.emptied(id).is_some());
         self.free_bytes -= a.len;
         for (off, e) in a.free.into_entries() {
-            self.unindex(key(e.len, id, off), e.owner);
+            self.unindex(key(a.tag, e.len, id, off), e.owner);
         }
     }
 
@@ -261,28 +275,28 @@ impl SubPage {
         };
     }
 
-    /// The best fit for `size` bytes on `stream`: the smallest extent it may take, open or
-    /// held for it, ties to the oldest arena and lowest offset.
-    fn best_fit(&self, size: u64, stream: u64) -> Option<u128> {
-        let from = key(size, 0, 0);
-        let open = self.open.range(from..).next();
-        let held = self.held.get(&stream).and_then(|s| s.range(from..).next());
+    /// The best fit for `size` bytes of `tag` on `stream`: the smallest extent of the tag's
+    /// arenas it may take, open or held for it, ties to the oldest arena and lowest offset.
+    fn best_fit(&self, size: u64, stream: u64, tag: TagId) -> Option<u128> {
+        let span = key(tag, size, 0, 0)..next_tag_key(tag);
+        let open = self.open.range(span.clone()).next();
+        let held = self.held.get(&stream).and_then(|s| s.range(span).next());
         match (open, held) {
             (Some(a), Some(b)) => Some(*a.min(b)),
             (a, b) => a.or(b).copied(),
         }
     }
 
-    /// Whether `stream` would find an extent of `size` bytes (what `alloc` would find).
-    pub fn fits(&self, size: u64, stream: u64) -> bool {
-        self.best_fit(size, stream).is_some()
+    /// Whether `stream` would find an extent of `size` bytes of `tag` (what `alloc` would find).
+    pub fn fits(&self, size: u64, stream: u64, tag: TagId) -> bool {
+        self.best_fit(size, stream, tag).is_some()
     }
 
     /// Best fit for `size` bytes (a multiple of `SUBPAGE_ALIGN`) on `stream`, cut from the end
     /// of the extent: (arena, offset). What is left of a held extent stays held.
-    pub fn alloc(&mut self, size: u64, stream: u64) -> Option<(ArenaId, u64)> {
+    pub fn alloc(&mut self, size: u64, stream: u64, tag: TagId) -> Option<(ArenaId, u64)> {
         debug_assert!(size > 0 && size % SUBPAGE_ALIGN == 0);
-        let k = self.best_fit(size, stream)?;
+        let k = self.best_fit(size, stream, tag)?;
         let (len, id, off) = unkey(k);
         let a = self.arenas.get_mut(&id).expect("free extent of a missing arena");
         let e = a.free.get_mut(off).expect("indexed extent missing");
@@ -298,7 +312,7 @@ impl SubPage {
         self.free_bytes -= size;
         self.unindex(k, owner);
         if len > size {
-            self.index(key(len - size, id, off), owner);
+            self.index(key(tag, len - size, id, off), owner);
         }
         Some((id, off + len - size))
     }
@@ -318,6 +332,7 @@ impl SubPage {
     /// merged with its neighbours where their owners allow.
     fn place(&mut self, id: ArenaId, off: u64, len: u64, owner: Owner) -> Option<Emptied> {
         let a = self.arenas.get_mut(&id).expect("arena missing");
+        let tag = a.tag;
         let before = a.before(off, owner);
         let owner = before.map_or(owner, |b| b.2);
         let after = a.after(off + len, owner);
@@ -329,7 +344,7 @@ impl SubPage {
             a.free.remove(off + len);
             total += e.len;
             held_change -= is_held(e.owner) as isize;
-            stale[1] = Some((key(e.len, id, off + len), e.owner));
+            stale[1] = Some((key(tag, e.len, id, off + len), e.owner));
         }
         let start = match before {
             Some((p, e, _)) => {
@@ -338,7 +353,7 @@ impl SubPage {
                 ext.owner = owner;
                 total += e.len;
                 held_change -= is_held(e.owner) as isize;
-                stale[0] = Some((key(e.len, id, p), e.owner));
+                stale[0] = Some((key(tag, e.len, id, p), e.owner));
                 p
             }
             None => {
@@ -350,7 +365,7 @@ impl SubPage {
         for (k, o) in stale.into_iter().flatten() {
             self.unindex(k, o);
         }
-        self.index(key(total, id, start), owner);
+        self.index(key(tag, total, id, start), owner);
         if self.track_freed {
             self.freed.push(id);
         }
@@ -388,7 +403,8 @@ impl SubPage {
                 }
                 a.free.remove(off);
                 a.held -= 1;
-                self.unindex(key(e.len, id, off), e.owner);
+                let tag = a.tag;
+                self.unindex(key(tag, e.len, id, off), e.owner);
                 self.place(id, off, e.len, Owner::Open);
                 touched.push(id);
             }
@@ -464,7 +480,7 @@ impl SubPage {
             }
             let mut held_here = 0;
             for (o, e) in a.free.iter() {
-                let k = key(e.len, id, o);
+                let k = key(a.tag, e.len, id, o);
                 let indexed = match e.owner {
                     Owner::Open => {
                         open += 1;
@@ -514,17 +530,35 @@ mod tests {
     const A: u64 = SUBPAGE_ALIGN;
 
     #[test]
+    fn a_tags_arenas_serve_only_that_tag() {
+        let mut s = SubPage::default();
+        s.add_arena(1, 4 * A, 0);
+        s.add_arena(2, 4 * A, 5);
+        s.add_arena(3, 4 * A, 6);
+        assert_eq!(s.alloc(A, 0, 5).map(|b| b.0), Some(2));
+        assert_eq!(s.alloc(A, 0, 6).map(|b| b.0), Some(3));
+        assert_eq!(s.alloc(A, 0, 0).map(|b| b.0), Some(1));
+        assert!(s.alloc(4 * A, 0, 5).is_none(), "no tag borrows another's space");
+        assert!(!s.fits(A, 0, 7));
+        let (_, off) = s.alloc(3 * A, 0, 6).unwrap();
+        assert!(s.alloc(A, 0, 6).is_none());
+        assert!(s.free(3, off, Owner::Open).is_none());
+        assert_eq!(s.alloc(3 * A, 0, 6).map(|b| b.0), Some(3));
+        s.check().unwrap();
+    }
+
+    #[test]
     fn best_fit_prefers_the_smallest_hole() {
         let mut s = SubPage::default();
-        s.add_arena(7, 16 * A);
+        s.add_arena(7, 16 * A, 0);
         // Blocks are cut from the end of their extent.
-        let (_, a) = s.alloc(4 * A, 0).unwrap();
-        let (_, b) = s.alloc(A, 0).unwrap();
-        let (_, c) = s.alloc(8 * A, 0).unwrap();
+        let (_, a) = s.alloc(4 * A, 0, 0).unwrap();
+        let (_, b) = s.alloc(A, 0, 0).unwrap();
+        let (_, c) = s.alloc(8 * A, 0, 0).unwrap();
         assert_eq!((a, b, c), (12 * A, 11 * A, 3 * A));
         s.free(7, a, Owner::Open); // hole of 3 at 0, hole of 4 at the end
         assert!(s.free(7, b, Owner::Open).is_none()); // merges with the hole after it: 5 at 11
-        let (_, d) = s.alloc(3 * A, 0).unwrap();
+        let (_, d) = s.alloc(3 * A, 0, 0).unwrap();
         assert_eq!(d, 0, "took the 3-unit hole at the start, not the 5-unit one");
         s.check().unwrap();
     }
@@ -532,10 +566,10 @@ mod tests {
     #[test]
     fn arena_empties_and_is_removed() {
         let mut s = SubPage::default();
-        s.add_arena(1, 4 * A);
-        let (_, a) = s.alloc(A, 0).unwrap();
-        let (_, b) = s.alloc(3 * A, 0).unwrap();
-        assert_eq!(s.alloc(A, 0), None);
+        s.add_arena(1, 4 * A, 0);
+        let (_, a) = s.alloc(A, 0, 0).unwrap();
+        let (_, b) = s.alloc(3 * A, 0, 0).unwrap();
+        assert_eq!(s.alloc(A, 0, 0), None);
         assert_eq!(s.block_containing(1, b + 10), Some((b, 3 * A)));
         assert_eq!(s.free(1, a, Owner::Open), None);
         assert_eq!(s.free(1, b, Owner::Open), Some(Emptied { arena: 1, held: None }));
@@ -551,17 +585,17 @@ mod tests {
     #[test]
     fn a_held_extent_is_its_streams_alone_until_settled() {
         let mut s = SubPage::default();
-        s.add_arena(3, 4 * A);
-        let (_, x) = s.alloc(A, 1).unwrap();
-        let (_, a) = s.alloc(3 * A, 1).unwrap();
+        s.add_arena(3, 4 * A, 0);
+        let (_, x) = s.alloc(A, 1, 0).unwrap();
+        let (_, a) = s.alloc(3 * A, 1, 0).unwrap();
         assert_eq!(s.free(3, a, held(1, 10)), None);
-        assert_eq!(s.alloc(A, 2), None, "another stream must wait");
-        assert!(s.fits(A, 1) && !s.fits(A, 2));
+        assert_eq!(s.alloc(A, 2, 0), None, "another stream must wait");
+        assert!(s.fits(A, 1, 0) && !s.fits(A, 2, 0));
         assert!(s.settle(1, 9).is_empty(), "epoch 10 has not completed");
-        assert_eq!(s.alloc(A, 2), None);
+        assert_eq!(s.alloc(A, 2, 0), None);
         assert!(s.settle(1, 10).is_empty(), "settled, one block still in use");
         assert!(!s.holds_for(1));
-        let (_, y) = s.alloc(A, 2).unwrap();
+        let (_, y) = s.alloc(A, 2, 0).unwrap();
         assert_eq!(y, 2 * A);
         s.check().unwrap();
         // An arena with nothing in use goes back, still held when its stream holds it.
@@ -576,24 +610,24 @@ mod tests {
     #[test]
     fn held_extents_merge_with_open_space_and_their_own_streams_only() {
         let mut s = SubPage::default();
-        s.add_arena(0, 8 * A);
-        let b: Vec<u64> = (0..4).map(|_| s.alloc(2 * A, 1).unwrap().1).collect();
+        s.add_arena(0, 8 * A, 0);
+        let b: Vec<u64> = (0..4).map(|_| s.alloc(2 * A, 1, 0).unwrap().1).collect();
         assert_eq!(b, [6 * A, 4 * A, 2 * A, 0]);
         s.free(0, b[3], Owner::Open);
         s.free(0, b[2], held(1, 5)); // joins the open space before it: held [0, 4)
         s.free(0, b[0], held(2, 6)); // another stream's: apart
         s.check().unwrap();
-        assert_eq!(s.alloc(4 * A, 1), Some((0, 0)), "stream 1 takes the merged extent");
-        assert_eq!(s.alloc(A, 1), None, "nothing else is stream 1's");
+        assert_eq!(s.alloc(4 * A, 1, 0), Some((0, 0)), "stream 1 takes the merged extent");
+        assert_eq!(s.alloc(A, 1, 0), None, "nothing else is stream 1's");
         s.free(0, 0, held(1, 7));
         s.free(0, b[1], held(1, 8)); // [0, 6) held for 1 until epoch 8, [6, 8) for 2
         assert!(s.settle(1, 7).is_empty(), "the merged extent waits for its later epoch");
-        assert_eq!(s.alloc(A, 2), Some((0, 7 * A)), "stream 2 takes only its own");
+        assert_eq!(s.alloc(A, 2, 0), Some((0, 7 * A)), "stream 2 takes only its own");
         // Opened, [0, 6) joins stream 2's held [6, 7).
         assert!(s.settle(1, 8).is_empty());
         assert!(!s.holds_for(1) && s.holds_for(2));
-        assert_eq!(s.alloc(6 * A, 3), None);
-        assert_eq!(s.alloc(6 * A, 2), Some((0, A)));
+        assert_eq!(s.alloc(6 * A, 3, 0), None);
+        assert_eq!(s.alloc(6 * A, 2, 0), Some((0, A)));
         s.check().unwrap();
     }
 
@@ -603,14 +637,14 @@ mod tests {
             ops in proptest::collection::vec((0u8..4, 1u64..40, 0u64..3), 1..400)
         ) {
             let mut s = SubPage::default();
-            s.add_arena(0, 64 * A);
-            s.add_arena(1, 64 * A);
+            s.add_arena(0, 64 * A, 0);
+            s.add_arena(1, 64 * A, 0);
             let mut live: Vec<(ArenaId, u64, u64)> = Vec::new();
             let mut epoch = 0;
             for (op, units, stream) in ops {
                 match op {
                     0 | 1 => {
-                        if let Some((id, off)) = s.alloc(units * A, stream) {
+                        if let Some((id, off)) = s.alloc(units * A, stream, 0) {
                             for &(i, o, l) in &live {
                                 prop_assert!(i != id || off + units * A <= o || o + l <= off, "overlap");
                             }
@@ -638,14 +672,14 @@ mod tests {
             ops in proptest::collection::vec((0u8..5, 1u64..40, 0u64..3), 1..400)
         ) {
             let mut s = SubPage::default();
-            s.add_arena(0, 64 * A);
+            s.add_arena(0, 64 * A, 0);
             let mut next_id = 1;
             let mut live: Vec<(ArenaId, u64, u64)> = Vec::new();
             let mut epoch = 0;
             for (op, units, stream) in ops {
                 match op {
                     0 | 1 => {
-                        if let Some((id, off)) = s.alloc(units * A, stream) {
+                        if let Some((id, off)) = s.alloc(units * A, stream, 0) {
                             live.push((id, off, units * A));
                         }
                     }
@@ -708,13 +742,13 @@ mod tests {
                 let mut epoch = 0;
                 for &(alloc, units, settle) in &ops {
                     if alloc {
-                        let at = s.alloc(units * A, 7).or_else(|| {
+                        let at = s.alloc(units * A, 7, 0).or_else(|| {
                             let id = removed.pop_first().unwrap_or_else(|| {
                                 next += 1;
                                 next - 1
                             });
-                            s.add_arena(id, 64 * A);
-                            s.alloc(units * A, 7)
+                            s.add_arena(id, 64 * A, 0);
+                            s.alloc(units * A, 7, 0)
                         });
                         got.push(at);
                         live.extend(at);

@@ -47,6 +47,9 @@ pub(crate) struct VaSpace {
     reuse_first: bool,
     retired: VecDeque<Retired>,
     retired_bytes: u64,
+    /// Spans of ranges asleep (`Heap::sleep`), start -> len: unmapped, but mapped again in
+    /// place at wake, so never recycled.
+    kept: BTreeMap<u64, u64>,
     /// When the retired queue last went from empty to non-empty (the age of the batch).
     retired_since: Option<crate::sync::Instant>,
 }
@@ -171,12 +174,47 @@ impl VaSpace {
     /// Returns addresses that are mapped nowhere (never mapped, or unmapped) for reuse; those of a
     /// private reservation stay with its owner. Free neighbours merge, but never across two reservations, even adjacent ones: a mapping must
     /// lie inside one reservation.
-    pub fn recycle(&mut self, mut va: u64, mut len: u64) {
+    pub fn recycle(&mut self, va: u64, len: u64) {
         debug_assert!(len > 0);
         if self.is_private(va) {
             // A growable allocation's addresses: its owner maps them again, in place.
             return;
         }
+        // A range asleep keeps its addresses: recycle only what lies outside such spans.
+        let end = va + len;
+        let mut at = va;
+        let kept: Vec<(u64, u64)> = self
+            .kept
+            .range(..end)
+            .rev()
+            .take_while(|(&b, &l)| b + l > va)
+            .map(|(&b, &l)| (b, l))
+            .collect();
+        for (b, l) in kept.into_iter().rev() {
+            if b > at {
+                self.recycle_free(at, b - at);
+            }
+            at = at.max(b + l);
+        }
+        if at < end {
+            self.recycle_free(at, end - at);
+        }
+    }
+
+    /// Keeps `[va, va + len)`, unmapped, for its owner (a range asleep) until `unkeep`.
+    pub fn keep(&mut self, va: u64, len: u64) {
+        let prev = self.kept.insert(va, len);
+        debug_assert!(prev.is_none(), "a span kept twice");
+    }
+
+    /// Ends `keep` of the span at `va`.
+    pub fn unkeep(&mut self, va: u64) {
+        let gone = self.kept.remove(&va);
+        debug_assert!(gone.is_some(), "unkeep of a span not kept");
+    }
+
+    /// `recycle` of addresses none of which is private or kept.
+    fn recycle_free(&mut self, mut va: u64, mut len: u64) {
         let home = self.reservation_of(va);
         if let Some((&prev, &plen)) = self.recycled.range(..va).next_back() {
             debug_assert!(prev + plen <= va, "recycled ranges overlap");
@@ -407,6 +445,22 @@ mod tests {
             2,
             "one unmap must not span two reservations"
         );
+    }
+
+    #[test]
+    fn kept_spans_are_never_recycled() {
+        let mut v = VaSpace::default();
+        v.add_reservation(0, 100);
+        v.take_fresh(100);
+        v.keep(20, 10);
+        v.keep(50, 10);
+        v.recycle(20, 10);
+        assert_eq!(v.recycled().count(), 0, "a kept span alone");
+        v.recycle(10, 60);
+        assert_eq!(v.recycled().collect::<Vec<_>>(), vec![(10, 10), (30, 20), (60, 10)]);
+        v.unkeep(20);
+        v.recycle(20, 10);
+        assert_eq!(v.recycled().collect::<Vec<_>>(), vec![(10, 40), (60, 10)]);
     }
 
     #[test]

@@ -47,11 +47,17 @@ pub enum CallKind {
     Export,
     /// `cuMemImportFromShareableHandle`.
     Import,
+    /// `cuMemHostAlloc`: pinned host memory for a tag's bytes while it sleeps.
+    HostAlloc,
+    /// `cuMemFreeHost`.
+    HostFree,
+    /// `cuMemcpyDtoHAsync` / `cuMemcpyHtoDAsync`: a tag's bytes to host memory and back.
+    CopyAsync,
 }
 
 impl CallKind {
     /// Every kind, in counter order.
-    pub const ALL: [CallKind; 20] = [
+    pub const ALL: [CallKind; 23] = [
         CallKind::MemInfo,
         CallKind::Reserve,
         CallKind::FreeReservation,
@@ -72,6 +78,9 @@ impl CallKind {
         CallKind::PeerAccess,
         CallKind::Export,
         CallKind::Import,
+        CallKind::HostAlloc,
+        CallKind::HostFree,
+        CallKind::CopyAsync,
     ];
 
     /// The driver function this kind stands for.
@@ -97,6 +106,9 @@ impl CallKind {
             CallKind::PeerAccess => "cuDeviceCanAccessPeer",
             CallKind::Export => "cuMemExportToShareableHandle",
             CallKind::Import => "cuMemImportFromShareableHandle",
+            CallKind::HostAlloc => "cuMemHostAlloc",
+            CallKind::HostFree => "cuMemFreeHost",
+            CallKind::CopyAsync => "cuMemcpyAsync",
         }
     }
 
@@ -123,6 +135,9 @@ impl CallKind {
             CallKind::PeerAccess => "peer_access",
             CallKind::Export => "export",
             CallKind::Import => "import",
+            CallKind::HostAlloc => "host_alloc",
+            CallKind::HostFree => "host_free",
+            CallKind::CopyAsync => "copy_async",
         }
     }
 }

@@ -209,14 +209,95 @@ forward_calls! {
     }
 }
 
+/// Pinned host memory (`Offload::alloc_host`): `bytes` at `ptr`, until `Offload::free_host`.
+#[derive(Debug)]
+pub struct HostBuffer {
+    pub ptr: *mut u8,
+    pub bytes: usize,
+}
+
+// SAFETY: a HostBuffer is an owned allocation of plain bytes (page-locked host memory); nothing
+// about it is tied to the thread that allocated it, and its users order their accesses (copies
+// are synchronised by events before the buffer is reused or freed).
+unsafe impl Send for HostBuffer {}
+
+/// Copies of device memory to pinned host memory and back, queued on a stream: what a tag's
+/// sleep (with a backup) and wake do with its bytes.
+pub trait Offload {
+    /// `bytes` of pinned (page-locked) host memory, which copies reach at link speed.
+    fn alloc_host(&self, bytes: usize) -> DriverResult<HostBuffer>;
+    /// Frees what [`Offload::alloc_host`] gave.
+    ///
+    /// # Safety
+    /// `buffer` came from this driver's `alloc_host`, is freed once, and no copy queued on it
+    /// is still to complete.
+    unsafe fn free_host(&self, buffer: HostBuffer) -> DriverResult<()>;
+    /// Queues a copy of `bytes` from device memory at `src` to host memory at `dst` on `stream`.
+    ///
+    /// # Safety
+    /// `[dst, dst + bytes)` lies in a live [`HostBuffer`] of this driver's that nothing else
+    /// touches until the copy has completed (an event recorded after it).
+    unsafe fn copy_to_host(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> DriverResult<()>;
+    /// Queues a copy of `bytes` from host memory at `src` to device memory at `dst` on `stream`.
+    ///
+    /// # Safety
+    /// As [`Offload::copy_to_host`]: `[src, src + bytes)` stays valid and unchanged until the
+    /// copy has completed.
+    unsafe fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> DriverResult<()>;
+}
+
+forward_calls! {
+    Offload {
+        fn alloc_host(&self, bytes: usize) -> DriverResult<HostBuffer> => counted(HostAlloc);
+    }
+    unsafe {
+        fn free_host(&self, buffer: HostBuffer) -> DriverResult<()> => counted(HostFree);
+        fn copy_to_host(
+            &self,
+            dst: *mut u8,
+            src: DevicePtr,
+            bytes: usize,
+            stream: StreamHandle,
+        ) -> DriverResult<()> => counted(CopyAsync);
+        fn copy_to_device(
+            &self,
+            dst: DevicePtr,
+            src: *const u8,
+            bytes: usize,
+            stream: StreamHandle,
+        ) -> DriverResult<()> => counted(CopyAsync);
+    }
+}
+
 /// Every trait the allocator needs of a driver; implemented for whatever implements them all.
 pub trait Driver:
-    VirtualMemory + Peers + Streams + Capture + Ipc + Copies + Send + Sync + fmt::Debug
+    VirtualMemory + Peers + Streams + Capture + Ipc + Copies + Offload + Send + Sync + fmt::Debug
 {
 }
 
 impl<T> Driver for T where
-    T: VirtualMemory + Peers + Streams + Capture + Ipc + Copies + Send + Sync + fmt::Debug
+    T: VirtualMemory
+        + Peers
+        + Streams
+        + Capture
+        + Ipc
+        + Copies
+        + Offload
+        + Send
+        + Sync
+        + fmt::Debug
 {
 }
 

@@ -6,7 +6,7 @@
 //! An entry is a method's signature, then what the instrumented wrapper does with the call:
 //! `=> counted(Kind)` counts it as `CallKind::Kind` (and fails it when a failure is planned),
 //! `=> timed(Kind)` counts and times it, nothing passes it on unseen. Unsafe methods go in a
-//! trailing `unsafe { ... }` block and are passed on unseen.
+//! trailing `unsafe { ... }` block, with the same choice.
 
 macro_rules! forward_calls {
     (@instrumented $self:ident, $name:ident, ($($arg:ident),*)) => {
@@ -21,7 +21,8 @@ macro_rules! forward_calls {
                 $(=> $how:ident($kind:ident))?; )*
         }
         $( unsafe {
-            $( fn $uname:ident(&self $(, $uarg:ident: $uty:ty)* $(,)?) -> $uret:ty; )*
+            $( fn $uname:ident(&self $(, $uarg:ident: $uty:ty)* $(,)?) -> $uret:ty
+                $(=> $uhow:ident($ukind:ident))?; )*
         } )?
     ) => {
         impl<D: $trait> $trait for $crate::driver::Instrumented<D> {
@@ -36,7 +37,9 @@ macro_rules! forward_calls {
                 unsafe fn $uname(&self $(, $uarg: $uty)*) -> $uret {
                     // SAFETY: the caller keeps this method's contract, and the wrapped driver's
                     // method has the same one.
-                    unsafe { self.inner.$uname($($uarg),*) }
+                    unsafe {
+                        forward_calls!(@instrumented self, $uname, ($($uarg),*) $(, $uhow($ukind))?)
+                    }
                 }
             )*)?
         }

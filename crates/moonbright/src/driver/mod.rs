@@ -27,15 +27,17 @@ use std::os::fd::OwnedFd;
 pub use backend::Backend;
 pub use calls::{CallCounts, CallKind, CallTimes};
 pub use contract::{
-    Capture, Copies, Driver, Ipc, KernelHandle, Kernels, ModuleHandle, Peers, PinnedBuffer,
-    Streams, VirtualMemory,
+    Capture, Copies, Driver, HostBuffer, Ipc, KernelHandle, Kernels, ModuleHandle, Offload, Peers,
+    PinnedBuffer, Streams, VirtualMemory,
 };
 pub use instrumented::{thread_calls, Instrumented};
 
 /// Every trait of the contract, for callers that name concrete drivers (`use
 /// moonbright::driver::prelude::*`): a trait's methods are in scope only where it is imported.
 pub mod prelude {
-    pub use super::{Capture, Copies, Driver, Ipc, Kernels, Peers, Streams, VirtualMemory};
+    pub use super::{
+        Capture, Copies, Driver, Ipc, Kernels, Offload, Peers, Streams, VirtualMemory,
+    };
 }
 
 /// A device virtual address (on the host backend, a host address).
@@ -120,6 +122,11 @@ impl DriverError {
     /// A new error.
     pub fn new(call: CallKind, code: i32, message: impl Into<String>) -> Self {
         DriverError { call, code, message: message.into() }
+    }
+
+    /// The same error, reported as a call of `kind`.
+    pub fn with_kind(self, kind: CallKind) -> Self {
+        DriverError { call: kind, ..self }
     }
 
     /// Whether the driver ran out of physical memory.

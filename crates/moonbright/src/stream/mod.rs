@@ -10,10 +10,11 @@ mod graphs;
 mod growable;
 #[cfg(all(test, loom))]
 mod loom_model;
+mod sleep;
 pub(crate) mod worker;
 
 use crate::config::Options;
-use crate::core::heap::{Fast, Freed, Heap, RangeId, Step};
+use crate::core::heap::{Fast, Freed, Heap, Step};
 use crate::core::mapping::{execute, unmap_all, unmap_runs, Executed, MapPlan};
 use crate::driver::{
     prelude::*, Backend, DevicePtr, DriverError, EventHandle, Instrumented, StreamHandle,
@@ -126,6 +127,9 @@ pub(crate) struct Shared {
     /// Held by a pass of `record_missing_events`, which records on other threads' streams;
     /// `capture_starting` waits for it.
     record_gate: Mutex<()>,
+    /// Sleeps' and wakes' host memory and copy stream (`sleep.rs`); its lock runs them one at
+    /// a time, and is never taken with the heap's held.
+    offloads: std::sync::Mutex<sleep::Offloads>,
 }
 
 impl Shared {
@@ -145,6 +149,7 @@ impl Shared {
             graphs_routing: AtomicBool::new(false),
             captures_in_progress: AtomicUsize::new(0),
             record_gate: Mutex::new(()),
+            offloads: std::sync::Mutex::new(sleep::Offloads::default()),
         }
     }
 
@@ -317,13 +322,14 @@ impl Shared {
         self.malloc_on(size, s)
     }
 
-    /// Allocates for the heap's stream `s`.
+    /// Allocates for the heap's stream `s`, with the calling thread's tag (`crate::tags`).
     fn malloc_on(&self, size: u64, s: u64) -> Result<DevicePtr> {
+        let tag = crate::tags::current();
         let mut waits = Waits::new();
         loop {
             let (pages, arena) = {
                 let mut heap = self.heap();
-                let fast = heap.try_fast(size, s);
+                let fast = heap.try_fast(size, s, tag);
                 self.validated(&heap);
                 match fast? {
                     Fast::Done(ptr) => return Ok(ptr),
@@ -335,11 +341,20 @@ impl Shared {
                 }
             };
             // `None`: it waited for other work, after which a fast path may serve it.
-            if let Some((id, mut heap)) = self.new_range(pages, size, s, &mut waits)? {
-                let ptr = heap.finish(id, size, s, arena);
-                self.validated(&heap);
-                self.wake_worker_if_due(heap);
-                return Ok(ptr);
+            let plan = |heap: &mut Heap| heap.plan_range(pages, size, s, tag);
+            let commit = |heap: &mut Heap, plan, ex| heap.commit(plan, ex);
+            match self.map_new(size, s, &mut waits, plan, commit) {
+                Ok(Some((id, mut heap))) => {
+                    let ptr = heap.finish(id, size, s, arena, tag);
+                    self.validated(&heap);
+                    self.wake_worker_if_due(heap);
+                    return Ok(ptr);
+                }
+                Ok(None) => self.heap().end_tagged_request(tag),
+                Err(e) => {
+                    self.heap().end_tagged_request(tag);
+                    return Err(e);
+                }
             }
         }
     }
@@ -446,19 +461,21 @@ impl Shared {
         r
     }
 
-    /// A new range of `pages` pages at a fresh address: plan, run, commit, re-planning after a
-    /// reservation or a flush. Returns the heap still locked from the commit, for the caller to
-    /// finish the request; or `None` once it has waited for other work (completed frees, plans
-    /// in flight, other streams' pending frees), for the caller to try its fast paths again:
-    /// what it waited for may have made a cached range or arena space that serves it with no
-    /// driver call, and an arena's space is found by nothing else.
-    fn new_range(
+    /// A new mapping for a request of `requested` bytes on `stream`: `plan` (a new range at a
+    /// fresh address, or a range asleep mapped again in place), run, `commit`, re-planning
+    /// after a reservation or a flush. Returns what `commit` made with the heap still locked
+    /// from it, for the caller to finish the request; or `None` once it has waited for other
+    /// work (completed frees, plans in flight, other streams' pending frees), for the caller to
+    /// try its fast paths again: what it waited for may have made a cached range or arena space
+    /// that serves it with no driver call, and an arena's space is found by nothing else.
+    fn map_new<T>(
         &self,
-        pages: u64,
         requested: u64,
         stream: u64,
         waits: &mut Waits,
-    ) -> Result<Option<(RangeId, MutexGuard<'_, Heap>)>> {
+        mut plan: impl FnMut(&mut Heap) -> Step,
+        commit: impl FnOnce(&mut Heap, MapPlan, Executed) -> Result<T>,
+    ) -> Result<Option<(T, MutexGuard<'_, Heap>)>> {
         // Frees whose events have completed are free memory: look before mapping anything new
         // (a few event queries, on the slow path only), rather than wait for the worker's tick.
         if !waits.polled {
@@ -469,7 +486,7 @@ impl Shared {
         }
         let mut flushing = None;
         while !waits.timed_out() {
-            let step = self.heap().plan_range(pages, requested, stream);
+            let step = plan(&mut self.heap());
             if !matches!(step, Step::Map(_)) {
                 waits.waiting();
             }
@@ -481,7 +498,7 @@ impl Shared {
                     let ex = self.execute_for_request(&plan);
                     let mut heap = self.heap();
                     heap.note_request_map(&plan);
-                    let r = heap.commit(plan, ex);
+                    let r = commit(&mut heap, plan, ex);
                     self.validated(&heap);
                     return r.map(|id| Some((id, heap)));
                 }
@@ -708,6 +725,7 @@ impl Shared {
     /// Unmaps and releases everything; reports allocations still live and driver errors on
     /// stderr (a destructor cannot return them).
     pub fn teardown(&self) {
+        self.teardown_offloads();
         let t = self.heap().teardown();
         let mut first_error: Option<DriverError> = None;
         let (failed, error) = unmap_all(&self.driver, &t.runs);

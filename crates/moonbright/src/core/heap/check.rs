@@ -38,6 +38,10 @@ impl Heap {
         let mut out = Vec::new();
         for (&va, &id) in &self.ranges.by_va {
             let r = self.range(id);
+            if r.asleep {
+                // Unmapped while its tag sleeps: no memory, nothing to show.
+                continue;
+            }
             let size = self.bytes(r.pages);
             let mut blocks = by_range.remove(&id).unwrap_or_default();
             blocks.sort_by_key(|b| b.addr);
@@ -105,6 +109,18 @@ impl Heap {
         let small: std::collections::HashSet<RangeId> = self.sub.arena_ids().collect();
         let carved: std::collections::HashSet<RangeId> = self.carved.arena_ids().collect();
         for (id, r) in self.ranges.iter().map(|(i, r)| (i as usize, r)) {
+            if r.asleep {
+                if !r.chunks.is_empty() || !matches!(r.use_, Use::Alloc | Use::Arena) {
+                    return Err(format!(
+                        "range {id} asleep with chunks, or in use as {:?}",
+                        r.use_
+                    ));
+                }
+                if self.ranges.by_va.get(&r.va) != Some(&(id as RangeId)) {
+                    return Err(format!("range {id} missing from the address index"));
+                }
+                continue;
+            }
             let sum: u64 = r.chunks.iter().map(|&c| self.pool.get(c).pages).sum();
             if sum != r.pages {
                 return Err(format!(

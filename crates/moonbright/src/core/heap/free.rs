@@ -23,6 +23,11 @@ impl Heap {
         ptr: u64,
         keep: impl FnOnce(&Live) -> bool,
     ) -> Result<Option<Live>> {
+        if self.any_tag_asleep() {
+            if let Some(tag) = self.live.allocs.get(&ptr).map(|l| l.tag).filter(|&t| t != 0) {
+                self.check_awake(tag, "a free")?;
+            }
+        }
         let live = match self.live.allocs.entry(ptr) {
             Entry::Occupied(e) if keep(e.get()) => return Ok(None),
             Entry::Occupied(e) => Some(e.remove()),

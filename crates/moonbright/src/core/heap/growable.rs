@@ -146,9 +146,9 @@ impl Heap {
         }
         let free = self.free_pages_for(s);
         let step = if free < need {
-            self.short_of(need_len, need - free, s, false)
+            self.short_of(need_len, need - free, s, None)
         } else {
-            self.plan_at(va, need, need_len, s, false)
+            self.plan_at(va, need, need_len, s, false, 0)
         };
         Ok(match step {
             Step::Map(plan) => {

@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use foldhash::HashMap;
 
 use super::RangeId;
+use crate::tags::TagId;
 
 /// How many recently freed pointers are remembered to tell a double free from an unknown pointer.
 pub(super) const RECENT_FREES: usize = 4096;
@@ -31,6 +32,8 @@ pub(super) struct Live {
     /// Freed by its user into the graph pool that owns it (`pool_keep`): still the pool's and
     /// mapped, but no longer counted as allocated or active, nor shown as a block in use.
     pub(super) pooled: bool,
+    /// Its tag (0: none), `crate::tags`.
+    pub(super) tag: TagId,
 }
 
 /// Live allocations, and recently freed pointers: pointer -> the generation of its last free,

@@ -14,6 +14,7 @@ use crate::core::subpage::SUBPAGE_ALIGN;
 use crate::core::vaspace::Retired;
 use crate::driver::{ChunkHandle, DriverError};
 use crate::error::{Error, Result};
+use crate::tags::TagId;
 
 impl Heap {
     /// Free pages under the cap that no plan has claimed. A chunk being released still counts
@@ -29,15 +30,23 @@ impl Heap {
     /// arena, sub-page or carved (another thread's arena committed since this one missed, or a
     /// block it waited for came back), as arena space is found by nothing else; else out of
     /// memory. A growable's growth (`arenas` false) takes no arena space: waiting for it would
-    /// never end.
-    pub(super) fn short_of(&self, requested: u64, short: u64, stream: u64, arenas: bool) -> Step {
+    /// never end. `arenas`: the request's tag, `None` for a growable's growth.
+    pub(super) fn short_of(
+        &self,
+        requested: u64,
+        short: u64,
+        stream: u64,
+        arenas: Option<TagId>,
+    ) -> Step {
         let rounded = requested.next_multiple_of(SUBPAGE_ALIGN);
-        let arena_fits = if !arenas {
-            false
-        } else if requested < self.lim.page {
-            self.sub.fits(rounded, stream)
-        } else {
-            self.carving() && self.carved.fits(requested.next_multiple_of(self.lim.page), stream)
+        let arena_fits = match arenas {
+            None => false,
+            Some(tag) if requested < self.lim.page => self.sub.fits(rounded, stream, tag),
+            Some(tag) => {
+                tag == 0
+                    && self.carving()
+                    && self.carved.fits(requested.next_multiple_of(self.lim.page), stream, 0)
+            }
         };
         if self.has_inflight() || arena_fits {
             Step::Wait
@@ -72,10 +81,10 @@ impl Heap {
     }
 
     /// Plans a new range of `pages` pages at a fresh address, claiming what it uses.
-    pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64) -> Step {
+    pub fn plan_range(&mut self, pages: u64, requested: u64, stream: u64, tag: TagId) -> Step {
         let free = self.free_pages_for(stream);
         if free < pages {
-            return self.short_of(requested, pages - free, stream, true);
+            return self.short_of(requested, pages - free, stream, Some(tag));
         }
         let len = self.bytes(pages);
         let Some(va) = self.va.take_fresh(len) else {
@@ -95,13 +104,14 @@ impl Heap {
             }
             return Step::Reserve(size);
         };
-        self.plan_at(va, pages, requested, stream, true)
+        self.plan_at(va, pages, requested, stream, true, tag)
     }
 
     /// Plans `pages` pages of chunks mapped at `va` (fresh addresses, or a growable allocation's
     /// tail), claiming what it uses. If the plan cannot go ahead, `va` is recycled (a no-op for
     /// a growable's private addresses, which stay with it). `large`: new memory may come in
     /// chunks up to `chunks.large_pages` (not for growables, which shrink by whole chunks).
+    /// `tag`: the request's, for whether its arenas may serve it after a wait (`short_of`).
     pub(super) fn plan_at(
         &mut self,
         va: u64,
@@ -109,6 +119,7 @@ impl Heap {
         requested: u64,
         stream: u64,
         large: bool,
+        tag: TagId,
     ) -> Step {
         let len = self.bytes(pages);
         let mut plan = Gather {
@@ -183,7 +194,7 @@ impl Heap {
             if self.headroom() < left {
                 self.give_back(got, same_stream);
                 self.va.recycle(va, len);
-                return self.short_of(requested, left, stream, true);
+                return self.short_of(requested, left, stream, Some(tag));
             }
             create = chunk_plan(left, cap);
         }

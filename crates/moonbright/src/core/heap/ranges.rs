@@ -31,6 +31,8 @@ pub(super) struct Range {
     pub(super) pages: u64,
     pub(super) chunks: Chunks,
     pub(super) use_: Use,
+    /// Its tag is asleep: unmapped (no chunks), its address kept (`sleep.rs`).
+    pub(super) asleep: bool,
 }
 
 /// Ranges by id (ids of removed ranges are reused) and by base address.
@@ -60,7 +62,7 @@ impl Ranges {
 
     /// Adds a range of `pages` pages mapped at `va`; returns its id.
     pub(super) fn add(&mut self, va: u64, pages: u64, chunks: Chunks, use_: Use) -> RangeId {
-        let range = Range { va, pages, chunks, use_ };
+        let range = Range { va, pages, chunks, use_, asleep: false };
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.slots[id as usize] = Some(range);

@@ -121,7 +121,12 @@ impl Heap {
     /// pending, cached), window segments and growables' committed pages. What a new peer must
     /// be granted access to; retired spans, on their way to be unmapped, are left out.
     pub fn mapped_spans(&self) -> Vec<(u64, u64)> {
-        let ranges = self.ranges.iter().map(|(_, r)| r).map(|r| (r.va, self.bytes(r.pages)));
+        let ranges = self
+            .ranges
+            .iter()
+            .map(|(_, r)| r)
+            .filter(|r| !r.asleep)
+            .map(|r| (r.va, self.bytes(r.pages)));
         let window = self.window.mapped.segments().map(|(va, pages, _)| (va, self.bytes(pages)));
         let growables = self
             .growables
@@ -158,6 +163,24 @@ impl Heap {
         (id, out)
     }
 
+    /// Takes out those of `chunks` that are bare and mapped nowhere, for release, as
+    /// `take_releasable` does.
+    pub(super) fn take_releasable_of(
+        &mut self,
+        chunks: &[ChunkId],
+    ) -> (u64, Vec<(ChunkId, ChunkHandle, u64)>) {
+        let mut out = Vec::new();
+        for &c in chunks {
+            if self.pool.get(c).mappings == 0 && self.pool.take_if_bare(c) {
+                let ch = self.pool.get(c);
+                out.push((c, ch.handle, ch.pages));
+            }
+        }
+        let ids = out.iter().map(|r| r.0).collect();
+        let id = self.claims.add(Claim { chunks: ids, ..Claim::default() });
+        (id, out)
+    }
+
     /// Commits the releases of claim `id`: `released[i]` says whether chunk i went; the others
     /// stay bare.
     pub fn commit_releases(
@@ -186,8 +209,10 @@ impl Heap {
         let ids: Vec<RangeId> = self.ranges.by_va.values().copied().collect();
         for id in ids {
             let r = self.remove_range(id);
-            let len = self.bytes(r.pages);
-            self.retire(r.va, len, r.chunks.into_vec());
+            if !r.asleep {
+                let len = self.bytes(r.pages);
+                self.retire(r.va, len, r.chunks.into_vec());
+            }
         }
         for (va, pages, chunks) in self.window.mapped.drain() {
             self.retire(va, self.bytes(pages), chunks);

@@ -15,7 +15,7 @@ use crate::driver::{CallKind, DriverError, DriverResult};
 /// [`CudaDriver::new`](super::CudaDriver::new) so that a driver too
 /// old to have one gives an error there instead of a panic (cudarc's lazy loader panics on a
 /// missing symbol) in the middle of a later call.
-pub(super) const REQUIRED_SYMBOLS: [&str; 36] = [
+pub(super) const REQUIRED_SYMBOLS: [&str; 40] = [
     "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -52,18 +52,20 @@ pub(super) const REQUIRED_SYMBOLS: [&str; 36] = [
     "cuThreadExchangeStreamCaptureMode",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
 ];
 
 /// The libcuda symbols of the backend's kernel calls ([`Kernels`](crate::driver::Kernels)),
 /// checked before the first of them: the allocator runs without them.
-pub(super) const KERNEL_SYMBOLS: [&str; 7] = [
+pub(super) const KERNEL_SYMBOLS: [&str; 5] = [
     "cuDeviceGetAttribute",
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuLaunchKernel",
-    "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",
-    "cuMemFreeHost",
 ];
 
 /// The names among `symbols` that libcuda lacks (all of them when there is no libcuda): cudarc

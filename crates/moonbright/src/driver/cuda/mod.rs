@@ -9,6 +9,7 @@ mod context;
 mod ipc;
 mod kernels;
 mod load;
+mod offload;
 mod streams;
 #[cfg(all(test, not(loom), not(miri)))]
 mod tests;

@@ -9,6 +9,7 @@
 mod costs;
 mod ipc;
 mod memory;
+mod offload;
 mod streams;
 mod sys;
 #[cfg(all(test, not(loom), not(miri)))]
@@ -71,6 +72,8 @@ struct State {
     space: AddressSpace,
     /// The simulated streams and events, and the graph captures tests announce.
     streams: StreamModel,
+    /// Host buffers given out (`Offload`).
+    host: offload::HostBuffers,
 }
 
 /// Devices the host backend models: it is device 0, and every other can be its peer.
@@ -122,6 +125,7 @@ impl HostDriver {
                 memory: Memory::new(fd),
                 space: AddressSpace::default(),
                 streams: StreamModel::new(),
+                host: offload::HostBuffers::default(),
             }),
             peers: crate::sync::Mutex::new(Vec::new()),
             costs: Costs::new(config.costs),
@@ -279,6 +283,7 @@ impl Drop for HostDriver {
         }
         st.space.reservations.clear();
         st.space.mappings.clear();
+        st.host.free_all();
         // The memfd closes when `st.memory.fd` drops.
     }
 }

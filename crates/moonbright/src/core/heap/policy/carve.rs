@@ -67,6 +67,9 @@ pub(in crate::core::heap) struct CarvedBlock;
 impl Placement for CarvedBlock {
     #[inline]
     fn serve(heap: &mut Heap, ask: &mut Ask) -> Option<Placed> {
+        if ask.tag != 0 {
+            return None;
+        }
         heap.take_carved(ask.size, ask.pages, ask.stream).map(Placed::Block)
     }
 }
@@ -78,6 +81,9 @@ pub(in crate::core::heap) struct NewCarving;
 impl Placement for NewCarving {
     #[inline]
     fn serve(heap: &mut Heap, ask: &mut Ask) -> Option<Placed> {
+        if ask.tag != 0 {
+            return None;
+        }
         let repeated = heap.tells_repeated() && heap.notes.sizes.contains(ask.size);
         heap.start_carving(ask.size, ask.pages, ask.stream, repeated).map(Placed::Block)
     }
@@ -101,11 +107,11 @@ impl Heap {
         if !self.carving() {
             return None;
         }
-        let (arena, offset) = self.carved.alloc(self.bytes(pages), stream)?;
+        let (arena, offset) = self.carved.alloc(self.bytes(pages), stream, 0)?;
         let ptr = self.range(arena).va + offset;
         self.stats.carved_allocations += 1;
         self.stats.cache_hits += 1;
-        self.finish_live(ptr, size, self.bytes(pages), stream, Backing::Sub { arena, offset });
+        self.finish_live(ptr, size, self.bytes(pages), stream, Backing::Sub { arena, offset }, 0);
         Some(ptr)
     }
 
@@ -207,7 +213,7 @@ impl Heap {
         let tail = pages + spare;
         self.stats.carved_arenas += 1;
         self.range_mut(id).use_ = Use::Carved;
-        self.carved.add_arena(id, self.bytes(tail));
+        self.carved.add_arena(id, self.bytes(tail), 0);
         self.take_carved(size, pages, stream)
     }
 }
@@ -240,8 +246,10 @@ mod tests {
                 for b in a + 1..=sizes.len() {
                     let sum: u64 = sizes[a..b].iter().sum();
                     let shortest = sum - sizes[b - 1] < pages;
-                    let better = want.map_or(true, |w: (usize, usize, u64)| sum - pages <= w.2);
-                    if sum >= pages && shortest && better {
+                    if sum < pages || !shortest {
+                        continue;
+                    }
+                    if want.map_or(true, |w: (usize, usize, u64)| sum - pages <= w.2) {
                         want = Some((a, b, sum - pages));
                     }
                 }

@@ -12,6 +12,7 @@
 
 use super::{Heap, RangeId};
 use crate::core::pool::ChunkId;
+use crate::tags::TagId;
 
 mod carve;
 mod exact;
@@ -37,6 +38,9 @@ pub(super) struct Ask {
     /// Pages the range needs.
     pub pages: u64,
     pub stream: u64,
+    /// The request's tag (0: none). A tagged request takes no block of a carved arena: its
+    /// memory must be its own, to sleep with its tag.
+    pub tag: TagId,
     /// A run up to `near::SPLIT_SLACK` larger than the request, in a cached range, that the
     /// exact fit's search found on its way (for the near fit, which so needs no search).
     pub near_run: Option<CachedRun>,
@@ -44,8 +48,8 @@ pub(super) struct Ask {
 
 impl Ask {
     #[inline]
-    pub fn new(size: u64, pages: u64, stream: u64) -> Self {
-        Ask { size, pages, stream, near_run: None }
+    pub fn new(size: u64, pages: u64, stream: u64, tag: TagId) -> Self {
+        Ask { size, pages, stream, tag, near_run: None }
     }
 }
 
