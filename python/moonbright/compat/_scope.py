@@ -81,10 +81,15 @@ def tagged(tag: str, kind: str, device: int | None) -> Iterator[None]:
             yield
 
 
-def sum_results(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result from several calls of :func:`moonbright.sleep` or :func:`moonbright.wake`:
-    each number summed (``seconds`` too: the calls ran one after another)."""
-    out: dict[str, Any] = {}
+SLEEP_KEYS = ("bytes", "released", "backed_up", "seconds")
+WAKE_KEYS = ("bytes", "created", "restored", "seconds")
+
+
+def sum_results(results: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """One result from several calls of :func:`moonbright.sleep` (``keys``: SLEEP_KEYS) or
+    :func:`moonbright.wake` (WAKE_KEYS): each number summed (``seconds`` too: the calls ran
+    one after another); zeros for no call."""
+    out: dict[str, Any] = {key: 0.0 if key == "seconds" else 0 for key in keys}
     for r in results:
         for key, value in r.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -92,14 +97,31 @@ def sum_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def untagged() -> Iterator[None]:
+    """Allocations of the calling thread inside carry no tag, whatever scope encloses this one.
+    (``moonbright.tag`` takes a name only; the extension's ``tag_restore(0)`` is the untagged
+    state, and ``tag_enter`` of the current name hands back the id to restore.)"""
+    current = moonbright.current_tag()
+    if current is None:
+        yield
+        return
+    previous = moonbright._moonbright.tag_enter(current)
+    moonbright._moonbright.tag_restore(0)
+    try:
+        yield
+    finally:
+        moonbright._moonbright.tag_restore(previous)
+
+
 def plan(
     tag: str | None, devices: dict[str, set[int | None]], asleep: bool
 ) -> dict[int | None, list[str]]:
-    """The tags a sleep (``asleep=False``: acting on awake tags) or a wake (``asleep=True``)
-    acts on, by device: ``tag`` wherever it holds memory (MoonBright then refuses it if it is in
-    the wrong state), or, for None, every tag of ``devices`` (tag -> devices an adapter saw it
-    on) that holds memory and is in the state acted on. A tag without memory is left alone: it
-    has nothing to release, and left awake it takes new allocations."""
+    """The tags a sleep (``asleep=False``: it acts on awake tags) or a wake (``asleep=True``)
+    acts on, by device: ``tag`` wherever it is asleep or holds memory (MoonBright then refuses it
+    if it is in the wrong state), or, for None, every tag of ``devices`` (tag -> the devices an
+    adapter saw it on) in the state acted on. An awake tag without memory is left alone: it has
+    nothing to release, and left awake it takes new allocations."""
     if tag is None:
         names = list(devices)
     else:
@@ -110,9 +132,11 @@ def plan(
         states = moonbright.tags(device)
         for name in names:
             state = states.get(name)
-            if device not in devices[name] or not state or not state.get("bytes"):
+            if device not in devices[name] or state is None:
                 continue
-            if tag is None and bool(state.get("asleep")) != asleep:
+            if not state["asleep"] and not state["bytes"]:
+                continue
+            if tag is None and state["asleep"] != asleep:
                 continue
             out.setdefault(device, []).append(name)
     return out

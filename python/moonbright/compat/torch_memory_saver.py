@@ -29,15 +29,17 @@ What differs from torch_memory_saver:
   own.
 - **Errors instead of exiting.** Pausing a paused tag or resuming an awake one raises
   ``RuntimeError`` (torch_memory_saver prints a message and exits the process), and so do
-  allocating in a region of a paused tag and freeing a paused tensor. ``pause()`` and
+  entering a region of a paused tag and freeing a paused tensor (keep tensors alive until
+  resume: under enable() a refused free loses the memory to the tag). ``pause()`` and
   ``resume()`` without a tag take every tag of this object that is awake, respectively asleep,
   where torch_memory_saver exits if any is not. A resume that cannot get the memory raises
-  (``torch.OutOfMemoryError`` under enable(), else a ``RuntimeError``) and leaves the tag
-  paused and intact; torch_memory_saver leaves the allocations mapped so far.
+  ``MemoryError`` and leaves the tag paused and intact; torch_memory_saver keeps what it
+  mapped so far. A tag whose memory was all freed is not paused: it has nothing to release.
 - **No device-wide synchronisation.** Pause waits for the work queued on the allocations'
   streams (by events) and copies in large pipelined pieces to a pinned pool that later cycles
-  reuse; torch_memory_saver synchronises the device at each free and copies each allocation
-  with a synchronous ``cudaMemcpy``.
+  reuse (``moonbright.release_host_memory()`` gives its spare pieces back);
+  torch_memory_saver synchronises the device at each free and copies each allocation with a
+  synchronous ``cudaMemcpy``.
 - **Backups are pinned host memory.** ``cpu_backup_backend`` (``"pinned"`` or ``"mmap"``) is
   accepted and both mean MoonBright's pinned pool; ``enable_disk_backup``, ``get_cpu_backup``,
   ``retain_cpu_backup`` and ``memory_margin_bytes`` are not offered.
@@ -161,10 +163,10 @@ class TorchMemorySaver:
         if _scope.mode() == "pool":
             import torch
 
-            with torch.cuda.use_mem_pool(torch.cuda.MemPool()), moonbright.tag(None):
+            with torch.cuda.use_mem_pool(torch.cuda.MemPool()), _scope.untagged():
                 yield
         else:
-            with moonbright.tag(None):
+            with _scope.untagged():
                 yield
 
     def pause(self, tag: str | None = None) -> dict[str, Any]:
@@ -176,7 +178,7 @@ class TorchMemorySaver:
                 group = [t for t in tags if self._backup[t] == backup]
                 if group:
                     results.append(moonbright.sleep(group, backup=backup, device=device))
-        return _scope.sum_results(results)
+        return _scope.sum_results(results, _scope.SLEEP_KEYS)
 
     def resume(self, tag: str | None = None) -> dict[str, Any]:
         """Maps memory again at the same addresses for ``tag`` (None: every paused tag) and
@@ -185,7 +187,7 @@ class TorchMemorySaver:
             moonbright.wake(tags, device=device)
             for device, tags in _scope.plan(tag, self._devices, asleep=True).items()
         ]
-        return _scope.sum_results(results)
+        return _scope.sum_results(results, _scope.WAKE_KEYS)
 
 
 torch_memory_saver = TorchMemorySaver()

@@ -35,17 +35,19 @@ What differs from vLLM:
   up to date for code that reads it.
 - **Repeated calls are harmless.** ``sleep`` leaves tags that are asleep already as they are
   and ``wake_up`` tags that are awake (vLLM would unmap or map them a second time); tags in
-  ``offload_tags`` or ``tags`` that hold no memory are ignored, as in vLLM. Allocating into a
-  sleeping tag, or freeing a tensor of one, raises ``RuntimeError``.
-- **All or nothing per tag.** A wake that cannot get its memory raises
-  (``torch.OutOfMemoryError`` under enable(), else a ``RuntimeError``) and leaves that tag
-  asleep with its backup intact; vLLM unmaps again what it had mapped, and the backup of an
-  allocation already restored is gone.
+  ``offload_tags`` or ``tags`` that hold no memory are ignored, as in vLLM. Entering
+  ``use_memory_pool`` with a sleeping tag, or freeing a tensor of one, raises ``RuntimeError``
+  (keep tensors alive until ``wake_up``: under enable() a refused free loses the memory to the
+  tag).
+- **All or nothing per tag.** A wake that cannot get its memory raises ``MemoryError`` and
+  leaves that tag asleep with its backup intact; vLLM unmaps again what it had mapped, and
+  the backups of the allocations it had restored are gone.
 - **No device-wide synchronisation.** Sleep waits by events for the work queued on the
   allocations' streams and copies in large pipelined pieces into a pinned pool reused across
-  cycles; vLLM synchronises the device at each free and copies each allocation with a
-  synchronous ``cudaMemcpy`` into pinned memory allocated at each sleep. ``offload_tags`` may
-  be any iterable of strings, not only a tuple.
+  cycles (``moonbright.release_host_memory()`` gives its spare pieces back); vLLM
+  synchronises the device at each free and copies each allocation with a synchronous
+  ``cudaMemcpy`` into pinned memory allocated at each sleep.
+- **Arguments.** ``offload_tags`` may be any iterable of strings, not only a tuple.
 - **Several GPUs.** A tag sleeps and wakes on every device ``use_memory_pool`` was entered on
   with it (PyTorch's current device at entry); vLLM's one allocator serves one device.
 """
@@ -121,7 +123,7 @@ class CuMemAllocator:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        return _scope.sum_results(results)
+        return _scope.sum_results(results, _scope.SLEEP_KEYS)
 
     def wake_up(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
         """Maps memory again at the same addresses for the sleeping tags among ``tags`` (None:
@@ -132,7 +134,7 @@ class CuMemAllocator:
             group = [t for t in asleep if wanted is None or t in wanted]
             if group:
                 results.append(moonbright.wake(group, device=device))
-        return _scope.sum_results(results)
+        return _scope.sum_results(results, _scope.WAKE_KEYS)
 
     def get_current_usage(self) -> int:
         """The bytes allocated under this allocator's tags, asleep or awake, on every device."""
