@@ -33,12 +33,16 @@ class Allocs:
     def new(self, size, seed=None):
         p = self.lib.moonbright_alloc(size, 0, None)
         assert p, moonbright.last_error()
-        data = None
+        self.live[p] = (size, None)
         if seed is not None:
-            data = pattern(size, seed)
-            moonbright._moonbright._write(p, data)
-        self.live[p] = (size, data)
+            self.write(p, seed)
         return p
+
+    def write(self, p, seed):
+        size, _ = self.live[p]
+        data = pattern(size, seed)
+        moonbright._moonbright._write(p, data)
+        self.live[p] = (size, data)
 
     def intact(self, p):
         size, data = self.live[p]
@@ -123,7 +127,7 @@ def test_tms_pause_and_resume_one_tag_and_the_errors_of_a_wrong_state(allocs):
     assert state("tms2-b")["asleep"]
     assert saver.resume()["bytes"] == 3 * PAGE
     assert allocs.intact(a) and allocs.intact(b)
-    assert saver.resume().get("bytes", 0) == 0
+    assert saver.resume()["bytes"] == 0
 
 
 def test_tms_a_tag_is_backed_up_if_any_of_its_regions_asked(allocs):
@@ -140,8 +144,8 @@ def test_tms_a_tag_is_backed_up_if_any_of_its_regions_asked(allocs):
 
 def test_tms_unknown_and_empty_tags_are_left_alone(allocs):
     saver = TorchMemorySaver()
-    assert saver.pause("tms4-never") == {}
-    assert saver.resume("tms4-never") == {}
+    assert saver.pause("tms4-never")["bytes"] == 0
+    assert saver.resume("tms4-never")["bytes"] == 0
     with saver.region(tag="tms4-empty"):
         pass
     with saver.region(tag="tms4-full"):
@@ -204,7 +208,7 @@ def test_tms_resume_that_cannot_get_its_memory_leaves_the_tag_paused(allocs):
     moonbright.empty_cache()
     # Leave one page less free under the cap than the tag needs.
     filler = allocs.new(moonbright.cap() - reserved() - size + PAGE)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(MemoryError):
         saver.resume("tms7")
     assert state("tms7")["asleep"] and state("tms7")["backed_up"]
     moonbright.check_invariants()
@@ -249,7 +253,7 @@ def test_vllm_sleep_offloads_the_offload_tags_and_discards_the_others(allocs, cu
     assert not state("vllm1-weights")["asleep"] and state("vllm1-kv")["asleep"]
     assert allocs.intact(w)
     r = cumem.wake_up()
-    assert r["bytes"] == 2 * PAGE and r.get("restored", 0) == 0
+    assert r["bytes"] == 2 * PAGE and r["restored"] == 0
     assert not state("vllm1-kv")["asleep"]
     moonbright._moonbright._write(kv, b"kv again")
 
@@ -272,6 +276,7 @@ def test_vllm_offload_tags_as_a_string_or_a_list(allocs, cumem):
     assert cumem.sleep("vllm3-a")["backed_up"] == PAGE
     cumem.wake_up()
     assert allocs.intact(a)
+    allocs.write(b, seed=15)  # it was discarded
     assert cumem.sleep(["vllm3-a", "vllm3-b"])["backed_up"] == 2 * PAGE
     cumem.wake_up("vllm3-b")
     assert state("vllm3-a")["asleep"] and not state("vllm3-b")["asleep"]
@@ -283,14 +288,14 @@ def test_vllm_repeated_calls_are_harmless_and_sleeping_tags_refuse_allocations(a
     with cumem.use_memory_pool("vllm4"):
         x = allocs.new(PAGE, seed=16)
     cumem.sleep(offload_tags="vllm4")
-    assert cumem.sleep(offload_tags="vllm4").get("bytes", 0) == 0
+    assert cumem.sleep(offload_tags="vllm4")["bytes"] == 0
     with pytest.raises(RuntimeError, match="asleep"):
         with cumem.use_memory_pool("vllm4"):
             pass
     assert cumem.current_tag == "default"
-    assert cumem.wake_up(["vllm4-unknown"]).get("bytes", 0) == 0
+    assert cumem.wake_up(["vllm4-unknown"])["bytes"] == 0
     cumem.wake_up(["vllm4"])
-    assert cumem.wake_up(["vllm4"]).get("bytes", 0) == 0
+    assert cumem.wake_up(["vllm4"])["bytes"] == 0
     assert allocs.intact(x)
     with pytest.raises(TypeError):
         with cumem.use_memory_pool(3):
@@ -304,7 +309,7 @@ def test_vllm_wake_that_cannot_get_its_memory_leaves_the_tag_asleep(allocs, cume
     cumem.sleep(offload_tags=("vllm5",))
     moonbright.empty_cache()
     filler = allocs.new(moonbright.cap() - reserved() - size + PAGE)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(MemoryError):
         cumem.wake_up()
     assert state("vllm5")["asleep"]
     allocs.free(filler)
@@ -315,9 +320,12 @@ def test_vllm_wake_that_cannot_get_its_memory_leaves_the_tag_asleep(allocs, cume
 def test_results_of_several_calls_are_summed():
     r = _scope.sum_results(
         [
-            {"bytes": 2, "backed_up": 1, "seconds": 0.5},
-            {"bytes": 3, "backed_up": 0, "seconds": 0.25},
-        ]
+            {"bytes": 2, "released": 2, "backed_up": 1, "seconds": 0.5},
+            {"bytes": 3, "released": 1, "backed_up": 0, "seconds": 0.25},
+        ],
+        _scope.SLEEP_KEYS,
     )
-    assert r == {"bytes": 5, "backed_up": 1, "seconds": 0.75}
-    assert _scope.sum_results([]) == {}
+    assert r == {"bytes": 5, "released": 3, "backed_up": 1, "seconds": 0.75}
+    assert _scope.sum_results([], _scope.WAKE_KEYS) == {
+        "bytes": 0, "created": 0, "restored": 0, "seconds": 0.0
+    }
