@@ -76,10 +76,11 @@ class MoonBright:
         return self.mb.wake(tag)
 
     def stats(self) -> dict:
-        """MoonBright's figures on sleep, tags and pinned host memory, whatever their names."""
+        """The pinned host memory MoonBright holds for sleeps, and its statistics on them."""
         s = self.mb.memory_stats()
-        keep = re.compile(r"sleep|asleep|wake|backup|pinned|host|tag")
-        return {k: v for k, v in s.items() if keep.search(k)}
+        out = {k: v for k, v in s.items() if re.search(r"asleep|sleep|wake|backup|pinned", k)}
+        out["host_memory"] = self.mb.host_memory()
+        return out
 
 
 class TorchMemorySaver:
