@@ -406,7 +406,8 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--raw-gib", type=float, default=0.0,
                     help="size of the raw pinned copy (default: the weights', at most 16)")
-    ap.add_argument("--worker-timeout", type=int, default=560)
+    ap.add_argument("--worker-timeout", type=int, default=270,
+                    help="seconds each worker may run")
     ap.add_argument("--json")
     ap.add_argument("--worker", choices=ALLOCATORS, help=argparse.SUPPRESS)
     args = ap.parse_args()
