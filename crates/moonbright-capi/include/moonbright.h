@@ -989,8 +989,8 @@ int mb_tag_begin(const char *tag, uint32_t *out_previous);
 
 /**
  * Ends the tag a `mb_tag_begin` of this thread began: `previous` is what that call stored in
- * `*out_previous`, and becomes the thread's tag again. Any other value gives the thread a tag
- * that is not a name's. Always `MB_OK`.
+ * `*out_previous`, and becomes the thread's tag again. A value no `mb_tag_begin` stored is
+ * refused (`MB_ERR_INVALID_ARGUMENT`), the thread's tag unchanged.
  */
 int mb_tag_end(uint32_t previous);
 

@@ -57,14 +57,11 @@ pub unsafe extern "C" fn mb_tag_begin(tag: *const c_char, out_previous: *mut u32
 }
 
 /// Ends the tag a `mb_tag_begin` of this thread began: `previous` is what that call stored in
-/// `*out_previous`, and becomes the thread's tag again. Any other value gives the thread a tag
-/// that is not a name's. Always `MB_OK`.
+/// `*out_previous`, and becomes the thread's tag again. A value no `mb_tag_begin` stored is
+/// refused (`MB_ERR_INVALID_ARGUMENT`), the thread's tag unchanged.
 #[no_mangle]
 pub extern "C" fn mb_tag_end(previous: u32) -> c_int {
-    call(|| {
-        tags::restore(previous);
-        Ok(())
-    })
+    call(|| tags::restore(previous).map_err(Into::into))
 }
 
 /// Puts every allocation of `alloc` tagged `tag` to sleep: after the work queued on their

@@ -47,7 +47,8 @@ impl<R: Runtime> Interposer<R> {
             let previous = tags::enter(name).map_err(|e| e.to_string())?;
             // A C `int` holds the id: ids count the names interned, far below 2^31.
             c_int::try_from(previous).map_err(|_| {
-                tags::restore(previous);
+                // `previous` came from `enter`, so `restore` takes it.
+                let _ = tags::restore(previous);
                 format!("tag id {previous} does not fit a C int")
             })
         });
@@ -60,12 +61,10 @@ impl<R: Runtime> Interposer<R> {
     /// `moonbright_tag_end`: makes `previous`, what `tag_begin` returned, the thread's tag
     /// again. A negative `previous` (a failed begin's -1) changes nothing and is an error.
     pub fn tag_end(&self, previous: c_int) -> c_int {
-        match u32::try_from(previous) {
-            Ok(p) => {
-                tags::restore(p);
-                code::SUCCESS
-            }
-            Err(_) => self.fail(
+        match u32::try_from(previous).map_err(|_| ()).and_then(|p| tags::restore(p).map_err(|_| ()))
+        {
+            Ok(()) => code::SUCCESS,
+            Err(()) => self.fail(
                 format!(
                     "moonbright_tag_end({previous}): not a tag that moonbright_tag_begin returned"
                 ),

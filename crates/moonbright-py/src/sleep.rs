@@ -30,8 +30,8 @@ pub(crate) fn tag_enter(name: &str) -> PyResult<u32> {
 
 /// Ends a tag `tag_enter` began.
 #[pyfunction]
-pub(crate) fn tag_restore(previous: u32) {
-    tags::restore(previous);
+pub(crate) fn tag_restore(previous: u32) -> PyResult<()> {
+    tags::restore(previous).map_err(raise)
 }
 
 /// The calling thread's tag, or None.

@@ -149,7 +149,7 @@ pub enum Error {
     Ipc(String),
     /// An allocation into, or a free of an allocation of, a tag that is asleep (or on its way
     /// to sleep or back): wake the tag first (`Allocator::wake`).
-    #[error("tag {tag:?} is asleep: {what} must wait until it is woken (Allocator::wake)")]
+    #[error("tag {tag:?} is asleep: {what} must wait until it is woken (wake it first)")]
     TagAsleep {
         /// The tag's name.
         tag: String,

@@ -48,9 +48,12 @@ pub(crate) fn intern(name: &str) -> Result<TagId> {
     Ok(names.len() as TagId)
 }
 
-/// The name of tag `id` (not 0).
+/// The name of tag `id` (not 0: ids come from `intern`).
 pub(crate) fn name_of(id: TagId) -> Arc<str> {
-    Arc::clone(&names()[id as usize - 1])
+    match names().get((id as usize).wrapping_sub(1)) {
+        Some(name) => Arc::clone(name),
+        None => Arc::from(format!("<tag {id}>")),
+    }
 }
 
 /// The calling thread's current tag (0: none).
@@ -74,9 +77,21 @@ pub fn enter(name: &str) -> Result<u32> {
     Ok(CURRENT.with(|c| c.replace(id)))
 }
 
-/// Ends a tag [`enter`] began: `previous` is what it returned.
-pub fn restore(previous: u32) {
+/// Ends a tag [`enter`] began: `previous` is what it returned. Refuses a value `enter` never
+/// returned (and changes nothing then).
+pub fn restore(previous: u32) -> Result<()> {
+    if previous as usize > names().len() {
+        return Err(Error::InvalidArgument(format!(
+            "{previous} is not a tag `enter` returned (its result ends a tag)"
+        )));
+    }
     CURRENT.with(|c| c.set(previous));
+    Ok(())
+}
+
+/// Checks a tag name as [`enter`] and every call taking one do: 1 to [`MAX_TAG_LEN`] bytes.
+pub fn check(name: &str) -> Result<()> {
+    check_name(name)
 }
 
 /// The calling thread's allocations carry `name` until the returned guard drops (scopes nest).
@@ -99,7 +114,7 @@ pub struct Scope {
 
 impl Drop for Scope {
     fn drop(&mut self) {
-        restore(self.previous);
+        CURRENT.with(|c| c.set(self.previous));
     }
 }
 
@@ -177,6 +192,7 @@ mod tests {
         assert_eq!(intern("tags-test-same").unwrap(), a);
         assert_ne!(intern("tags-test-other").unwrap(), a);
         assert!(scope("").is_err());
+        assert!(restore(u32::MAX).is_err());
         assert!(scope(&"x".repeat(MAX_TAG_LEN + 1)).is_err());
     }
 
