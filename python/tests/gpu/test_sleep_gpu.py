@@ -63,24 +63,27 @@ def test_a_hundred_cycles_give_device_and_host_memory_back_to_their_start():
         rss_before_first = rss()
 
         def cycle(i):
+            awake = free()
             moonbright.sleep("weights", backup=True)
             moonbright.sleep("kv", backup=False)
-            asleep = free()
+            freed = free() - awake
             moonbright.wake(["weights", "kv"])
             kv.fill_(i & 0xFF)
-            return asleep
+            return freed
 
-        awake = free()
-        asleep = [cycle(0)]
+        # The fill's kernel loads lazily, into device memory of the driver's, at its first
+        # launch: launch it once before any figure is taken.
+        kv.fill_(0)
+        freed = [cycle(0)]
         torch.cuda.empty_cache()
         free0, rss0 = free(), rss()
         frees, rsss = [], []
         for i in range(1, 101):
-            asleep.append(cycle(i))
+            freed.append(cycle(i))
             frees.append(free())
             rsss.append(rss())
         print(json.dumps({
-            "held": held, "awake": awake, "asleep_min": min(asleep),
+            "held": held, "freed_min": min(freed),
             "free0": free0, "free_min": min(frees), "free_last": frees[-1],
             "rss_before_first": rss_before_first, "rss0": rss0, "rss_max": max(rsss),
             "rss_last": rsss[-1],
@@ -89,8 +92,8 @@ def test_a_hundred_cycles_give_device_and_host_memory_back_to_their_start():
         }))
         """), conf=NO_WINDOW)
     assert r["intact"], r
-    # Asleep, the tags' memory is free on the device, to within 1%.
-    assert r["asleep_min"] - r["awake"] >= 0.99 * r["held"], r
+    # Asleep, the tags' memory is free on the device, to within 1%, in every cycle.
+    assert r["freed_min"] >= 0.99 * r["held"], r
     assert r["free0"] - r["free_min"] <= DEVICE_SLACK, r
     assert r["rss_max"] - r["rss0"] <= HOST_SLACK, r
     assert not r["tags"]["weights"]["asleep"] and not r["tags"]["kv"]["asleep"]
