@@ -125,6 +125,7 @@ from ._moonbright import (  # noqa: E402
     release_graph_pool,
     reset_accumulated_memory_stats,
     release_host_memory,
+    reserve_host_memory,
     reset_peak_memory_stats,
     set_cap,
     set_graph_pool_live,
@@ -173,6 +174,7 @@ __all__ = [
     "record_stream",
     "release_graph_pool",
     "release_host_memory",
+    "reserve_host_memory",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_cap",
@@ -225,7 +227,9 @@ def sleep(
 
     Tags go to sleep one at a time, in order; if one fails, those before it stay asleep and it
     stays awake, as it was. Pinned host memory is kept for the next sleep once a wake returns
-    it (:func:`host_memory`, :func:`release_host_memory`). Returns the totals:
+    it (:func:`host_memory`, :func:`release_host_memory`); pinning runs at a few GiB/s, so a
+    first sleep is slower than the next ones unless :func:`reserve_host_memory` pinned it ahead.
+    Returns the totals:
     ``{"bytes", "released", "backed_up", "seconds"}``."""
     total = {"bytes": 0, "released": 0, "backed_up": 0, "seconds": 0.0}
     for name in _tag_list(tags):

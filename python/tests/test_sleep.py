@@ -105,3 +105,11 @@ def test_discarded_tags_and_a_wake_short_of_memory(lib):
     lib.moonbright_free(kv, 4 * PAGE, 0, None)
     moonbright.empty_cache()
     moonbright.check_invariants()
+
+
+def test_host_memory_is_pinned_ahead_and_given_back():
+    moonbright.release_host_memory()
+    held = moonbright.reserve_host_memory(1 << 20)
+    assert held >= 1 << 20 and moonbright.host_memory() == held
+    assert moonbright.release_host_memory() == held
+    assert moonbright.host_memory() == 0

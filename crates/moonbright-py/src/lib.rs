@@ -202,6 +202,7 @@ fn _moonbright(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sleep::tags_info, m)?)?;
     m.add_function(wrap_pyfunction!(sleep::host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(sleep::release_host_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep::reserve_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_send, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_recv, m)?)?;
     m.add_function(wrap_pyfunction!(ipc::ipc_close, m)?)?;

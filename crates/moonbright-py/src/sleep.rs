@@ -102,6 +102,19 @@ pub(crate) fn host_memory(device: Option<i32>) -> PyResult<u64> {
     Ok(get(device)?.host_memory())
 }
 
+/// Pins host memory for sleeps until at least `bytes` are held, without the GIL; returns the
+/// bytes held.
+#[pyfunction]
+#[pyo3(signature = (bytes, device=None))]
+pub(crate) fn reserve_host_memory(
+    py: Python<'_>,
+    bytes: u64,
+    device: Option<i32>,
+) -> PyResult<u64> {
+    let a = get(device)?;
+    py.allow_threads(|| a.reserve_host_memory(bytes)).map_err(raise)
+}
+
 /// Gives back the pinned host memory no tag asleep holds; returns the bytes.
 #[pyfunction]
 #[pyo3(signature = (device=None))]

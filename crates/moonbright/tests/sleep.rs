@@ -255,6 +255,12 @@ fn a_hundred_cycles_come_back_to_the_same_figures() {
     assert!(intact(&a, &blocks));
     assert_eq!(a.release_host_memory().unwrap(), host_bytes);
     assert_eq!(a.host_memory(), 0);
+    // Pinned ahead, a first sleep pins nothing.
+    assert_eq!(a.reserve_host_memory(host_bytes).unwrap(), host_bytes);
+    let pinned = a.driver().counts().get(CallKind::HostAlloc);
+    a.sleep("sleep-test-cycles", Backup::Host).unwrap();
+    assert_eq!(a.driver().counts().get(CallKind::HostAlloc), pinned);
+    a.wake("sleep-test-cycles").unwrap();
     drop(kv);
     books_agree(&a);
 }

@@ -333,6 +333,17 @@ impl Shared {
         }
     }
 
+    /// Pins spare host memory until at least `bytes` are held for sleeps, in use or spare
+    /// (`Allocator::reserve_host_memory`). Returns the bytes held.
+    pub fn reserve_host_memory(&self, bytes: u64) -> Result<u64> {
+        let mut off = self.offloads.lock().unwrap_or_else(|e| e.into_inner());
+        while off.host_bytes() < bytes {
+            let piece = self.driver.alloc_host(PIECE)?;
+            off.spare.push(piece);
+        }
+        Ok(off.host_bytes())
+    }
+
     /// Bytes of pinned host memory held for sleeps, in use or spare.
     pub fn host_memory(&self) -> u64 {
         self.offloads.lock().unwrap_or_else(|e| e.into_inner()).host_bytes()
