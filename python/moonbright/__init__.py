@@ -189,9 +189,10 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def tag(name: str) -> Iterator[None]:
+def tag(name: str | None) -> Iterator[None]:
     """Tags the calling thread's allocations with ``name`` inside the ``with`` block (blocks
-    nest; other threads are not tagged), so that :func:`sleep` and :func:`wake` take them as one
+    nest; other threads are not tagged; ``None``: untagged, whatever block encloses this one),
+    so that :func:`sleep` and :func:`wake` take them as one
     group: a model's weights, its KV cache. Works in every mode, since the tag is read on the
     allocating thread: ``moonbright.torch.enable()``, ``moonbright.torch.pool()`` (give each tag
     a pool of its own: PyTorch's caching allocator reuses a pool's segments for whatever is

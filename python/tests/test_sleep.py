@@ -39,6 +39,9 @@ def test_tag_scopes_nest_and_are_per_thread():
             t.join()
             assert seen == [None]
         assert moonbright.current_tag() == "py-outer"
+        with moonbright.tag(None):
+            assert moonbright.current_tag() is None
+        assert moonbright.current_tag() == "py-outer"
     assert moonbright.current_tag() is None
     with pytest.raises(RuntimeError, match="tag"):
         with moonbright.tag(""):

@@ -21,11 +21,14 @@ fn raise(e: Error) -> PyErr {
     }
 }
 
-/// Makes `name` the calling thread's tag: its allocations carry it until `tag_restore` is
-/// given what this returned (the tag before).
+/// Makes `name` the calling thread's tag (None: no tag) until `tag_restore` is given what this
+/// returned (the tag before).
 #[pyfunction]
-pub(crate) fn tag_enter(name: &str) -> PyResult<u32> {
-    tags::enter(name).map_err(raise)
+pub(crate) fn tag_enter(name: Option<&str>) -> PyResult<u32> {
+    match name {
+        Some(name) => tags::enter(name).map_err(raise),
+        None => Ok(tags::enter_untagged()),
+    }
 }
 
 /// Ends a tag `tag_enter` began.

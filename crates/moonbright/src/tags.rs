@@ -77,6 +77,12 @@ pub fn enter(name: &str) -> Result<u32> {
     Ok(CURRENT.with(|c| c.replace(id)))
 }
 
+/// Makes the calling thread's allocations untagged, whatever scope encloses this one; returns
+/// what to give [`restore`] to end it.
+pub fn enter_untagged() -> u32 {
+    CURRENT.with(|c| c.replace(0))
+}
+
 /// Ends a tag [`enter`] began: `previous` is what it returned. Refuses a value `enter` never
 /// returned (and changes nothing then).
 pub fn restore(previous: u32) -> Result<()> {
@@ -184,6 +190,11 @@ mod tests {
             assert_eq!(current_name().as_deref(), Some("tags-test-a"));
         }
         assert_eq!(current_name(), None);
+        let _a = scope("tags-test-a").unwrap();
+        let previous = enter_untagged();
+        assert_eq!(current_name(), None);
+        restore(previous).unwrap();
+        assert_eq!(current_name().as_deref(), Some("tags-test-a"));
     }
 
     #[test]

@@ -99,19 +99,9 @@ def sum_results(results: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[st
 
 @contextmanager
 def untagged() -> Iterator[None]:
-    """Allocations of the calling thread inside carry no tag, whatever scope encloses this one.
-    (``moonbright.tag`` takes a name only; the extension's ``tag_restore(0)`` is the untagged
-    state, and ``tag_enter`` of the current name hands back the id to restore.)"""
-    current = moonbright.current_tag()
-    if current is None:
+    """Allocations of the calling thread inside carry no tag, whatever scope encloses this one."""
+    with moonbright.tag(None):
         yield
-        return
-    previous = moonbright._moonbright.tag_enter(current)
-    moonbright._moonbright.tag_restore(0)
-    try:
-        yield
-    finally:
-        moonbright._moonbright.tag_restore(previous)
 
 
 def plan(
