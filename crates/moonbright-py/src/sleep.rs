@@ -24,6 +24,7 @@ fn raise(e: Error) -> PyErr {
 /// Makes `name` the calling thread's tag (None: no tag) until `tag_restore` is given what this
 /// returned (the tag before).
 #[pyfunction]
+#[pyo3(signature = (name))]
 pub(crate) fn tag_enter(name: Option<&str>) -> PyResult<u32> {
     match name {
         Some(name) => tags::enter(name).map_err(raise),
