@@ -367,3 +367,17 @@ fn a_driver_failure_at_any_call_leaves_the_tag_whole() {
         }
     }
 }
+
+#[test]
+fn pinning_ahead_and_giving_back_report_driver_failures() {
+    let a = host(64);
+    a.driver().fail_nth(CallKind::HostAlloc, 2, None);
+    assert!(matches!(a.reserve_host_memory(3 << 26), Err(Error::Driver(_))));
+    // The piece pinned before the failure stays, spare, and is given back.
+    assert_eq!(a.host_memory(), 1 << 26);
+    a.driver().fail_nth(CallKind::HostFree, 1, None);
+    assert!(matches!(a.release_host_memory(), Err(Error::Driver(_))));
+    assert_eq!(a.reserve_host_memory(1 << 26).unwrap(), 1 << 26);
+    assert_eq!(a.release_host_memory().unwrap(), 1 << 26);
+    assert_eq!(a.host_memory(), 0);
+}
