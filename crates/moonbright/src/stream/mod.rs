@@ -666,26 +666,40 @@ impl Shared {
         }
         self.poll_events();
         self.heap().retire_all_free();
-        self.flush()?;
-        // The worker may hold some of those ranges in an unmap batch of its own: let it land
-        // (it takes milliseconds), so that their chunks are released here too.
-        let start = crate::sync::Instant::now();
-        while self.heap().unmaps_in_flight() && start.elapsed() < MAX_WAIT {
-            pause(WAIT_STEP);
-        }
-        self.flush()?;
+        self.flush_landed()?;
         let (claim, chunks) = self.heap().take_releasable();
-        let (released, first_error) = self.release_chunks(&chunks);
-        let page = self.driver.granularity() as u64;
-        let bytes: u64 =
-            chunks.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
-        let mut heap = self.heap();
-        heap.commit_releases(claim, chunks, &released);
-        self.validated(&heap);
+        let (bytes, first_error) = self.release_claimed(claim, chunks);
         match first_error {
             Some(e) => Err(e.into()),
             None => stranded.map(|()| bytes),
         }
+    }
+
+    /// Unmaps every retired range now, and those an unmap batch of the worker's holds once it
+    /// lands (it takes milliseconds), so that their chunks can be released by the caller too.
+    fn flush_landed(&self) -> Result<()> {
+        self.flush()?;
+        let start = crate::sync::Instant::now();
+        while self.heap().unmaps_in_flight() && start.elapsed() < MAX_WAIT {
+            pause(WAIT_STEP);
+        }
+        self.flush().map(drop)
+    }
+
+    /// Releases `chunks`, taken out for release under claim `claim`, and commits the claim:
+    /// those that failed stay bare. Returns the bytes released and the first error.
+    fn release_claimed(
+        &self,
+        claim: u64,
+        chunks: Vec<(crate::core::pool::ChunkId, crate::driver::ChunkHandle, u64)>,
+    ) -> (u64, Option<DriverError>) {
+        let (released, first_error) = self.release_chunks(&chunks);
+        let page = self.driver.granularity() as u64;
+        let bytes = chunks.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
+        let mut heap = self.heap();
+        heap.commit_releases(claim, chunks, &released);
+        self.validated(&heap);
+        (bytes, first_error)
     }
 
     /// Releases `chunks` (taken out for release, without the heap lock): which went, and the

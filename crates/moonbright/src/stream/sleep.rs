@@ -29,7 +29,6 @@ pub(crate) const PIECE: usize = 64 << 20;
 #[derive(Debug)]
 struct Saved {
     pieces: Vec<HostBuffer>,
-    bytes: u64,
 }
 
 /// What sleeps and wakes hold between calls; its lock serialises them.
@@ -68,7 +67,7 @@ impl Shared {
             }
         };
         let bytes: u64 = work.ranges.iter().map(|r| r.2).sum();
-        let backed_up = saved.as_ref().map_or(0, |s| s.bytes);
+        let backed_up = if saved.is_some() { bytes } else { 0 };
         if let Some(saved) = saved {
             off.saved.insert(tag, saved);
         }
@@ -111,7 +110,7 @@ impl Shared {
         // Whatever was queued completes before the pieces are reused or kept.
         let waited = self.wait_for_stream(stream);
         match queued.and(waited) {
-            Ok(()) => Ok(Some(Saved { pieces, bytes: work.ranges.iter().map(|r| r.2).sum() })),
+            Ok(()) => Ok(Some(Saved { pieces })),
             Err(e) => {
                 off.spare.append(&mut pieces);
                 Err(e)
@@ -188,26 +187,16 @@ impl Shared {
     /// Unmaps what is retired and releases the chunks of sleep claim `claim` then mapped
     /// nowhere. Returns the bytes released; a failure is recorded as a deferred error.
     fn release_slept(&self, claim: u64) -> u64 {
-        let flushed = self.flush();
-        // The worker may hold some of the ranges in an unmap batch of its own: let it land.
-        let start = crate::sync::Instant::now();
-        while self.heap().unmaps_in_flight() && start.elapsed() < super::MAX_WAIT {
-            crate::sync::pause(super::WAIT_STEP);
-        }
-        let flushed = flushed.and(self.flush());
+        let flushed = self.flush_landed();
         let taken = self.heap().take_slept_releasable(claim);
-        let (released, first_error) = self.release_chunks(&taken);
-        let page = self.driver.granularity() as u64;
-        let bytes = taken.iter().zip(&released).filter(|(_, &r)| r).map(|(c, _)| c.2 * page).sum();
+        let (bytes, first_error) = self.release_claimed(claim, taken);
         let mut heap = self.heap();
-        heap.commit_releases(claim, taken, &released);
         if let Some(e) = first_error {
             heap.note_deferred_error(e);
         }
         if let Err(Error::Driver(e)) = flushed {
             heap.note_deferred_error(e);
         }
-        self.validated(&heap);
         bytes
     }
 
