@@ -220,6 +220,13 @@ def null_pluggable(torch):
     return alloc
 
 
+# MoonBright's state at the end of a turn (not per step): how many ranges its cache and its
+# unmap queue hold, its window, its mapped handles and live allocations.
+MB_GAUGES = ("moonbright.cached_ranges.current", "moonbright.retired_ranges.current",
+             "moonbright.window_bytes.current", "moonbright.mapped_handles.current",
+             "moonbright.allocations.current")
+
+
 def mb_counters(moonbright) -> dict[str, int]:
     s = moonbright.memory_stats()
     keep = {k: v for k, v in s.items() if k.startswith("moonbright.driver_calls.")}
@@ -228,6 +235,7 @@ def mb_counters(moonbright) -> dict[str, int]:
               "moonbright.subpage_allocations", "moonbright.carved_allocations",
               "moonbright.unmap_batches", "moonbright.pending_free_waits"):
         keep[k] = s.get(k, 0)
+    keep.update({k: s[k] for k in MB_GAUGES if k in s})
     return keep
 
 
@@ -313,6 +321,31 @@ class Instructions:
         return int.from_bytes(os.read(self.fd, 8), "little")
 
 
+def threads_cpu_ns() -> dict[str, int]:
+    """CPU time so far of this process's threads, in ns, by kind: ``main`` (the thread that
+    launches the steps' forward passes), ``moonbright`` (MoonBright's background worker) and
+    ``other`` (PyTorch's autograd threads, which run the backward passes, and the rest). Each
+    thread's CPU clock is read with ``clock_gettime`` (Linux's clock id of a thread of this
+    process: ``(~tid << 3) | 6``); empty where that fails. A thread that ended between two
+    reads drops out of ``other``, so take the split of a turn, not of a run."""
+    out = {"main": 0, "moonbright": 0, "other": 0}
+    pid = os.getpid()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            ns = time.clock_gettime_ns(((~tid) << 3) | 6)
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue  # ended meanwhile
+        kind = "main" if tid == pid else "moonbright" if comm.startswith("moonbright") else "other"
+        out[kind] += ns
+    return out
+
+
 def worker(args) -> int:
     # The protocol goes over the original stdout; everything printed after goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -363,23 +396,29 @@ def worker(args) -> int:
                 m0 = mb_counters(moonbright) if moonbright else {}
                 t0 = time.perf_counter()
                 c0, i0 = time.process_time(), instructions.read()
+                th0 = threads_cpu_ns()
                 for _ in range(cmd["steps"]):
                     w.step()
                 # The CPU's work for the steps: every thread's, up to the last launch (the
                 # wait for the GPU below would add spinning that depends on the GPU's lag).
                 c1, i1 = time.process_time(), instructions.read()
+                th1 = threads_cpu_ns()
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 a1 = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
                 m1 = mb_counters(moonbright) if moonbright else {}
                 n = cmd["steps"]
                 per_step = {k: round((m1[k] - m0.get(k, 0)) / n, 2) for k in m1
-                            if m1[k] != m0.get(k, 0)}
+                            if m1[k] != m0.get(k, 0) and k not in MB_GAUGES}
+                gauges = {k: m1[k] for k in MB_GAUGES if k in m1}
                 reply(rate=n * w.units_per_step / dt, step_ms=1000 * dt / n,
                       cpu_ms_per_step=1000 * (c1 - c0) / n,
                       instructions_per_step=(i1 - i0) / n if i0 is not None else None,
                       instructions_error=instructions.error,
-                      allocs_per_step=(a1 - a0) / n, moonbright_per_step=per_step)
+                      thread_cpu_ms_per_step={k: (th1[k] - th0[k]) / 1e6 / n for k in th1
+                                              if k in th0},
+                      allocs_per_step=(a1 - a0) / n, moonbright_per_step=per_step,
+                      moonbright_after=gauges)
             elif op == "kernels":
                 reply(kernel_ms_per_step=kernel_ms_per_step(torch, w, cmd["steps"]))
             elif op == "micro":
@@ -536,6 +575,11 @@ def run_workload(workload: str, configs: list[str], args) -> dict:
                       if t.get(key) is not None and b.get(key)]
             if ratios and c != "torch":
                 rows[c][key + "_vs_torch"] = spread(ratios)
+        # The same CPU time by thread: PyTorch's (main and autograd) against MoonBright's worker.
+        split = [t["thread_cpu_ms_per_step"] for t in turns[c] if t.get("thread_cpu_ms_per_step")]
+        if split:
+            rows[c]["thread_cpu_ms_per_step"] = {
+                k: spread([x[k] for x in split if k in x]) for k in split[0]}
     unit = "tokens" if workload == "llama" else "steps"
     return {"workload": workload, "unit": unit, "steps_per_turn": steps, "rows": rows}
 
@@ -556,10 +600,11 @@ def gib(x) -> str:
 def print_table(results: list[dict]) -> None:
     print()
     print("| workload | config | rate median (min-max) | vs torch | paired rounds vs torch | "
-          "CPU ms/step (paired vs torch) | user instructions M/step (paired vs torch) | "
+          "CPU ms/step (paired vs torch) | threads' CPU ms/step: main, other, MB worker | "
+          "user instructions M/step (paired vs torch) | "
           "peak reserved GiB | peak alloc GiB | allocs/step | MB driver calls/step | "
           "kernel ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for wl in results:
         for c, r in wl["rows"].items():
             rate = r["rate"]
@@ -574,13 +619,16 @@ def print_table(results: list[dict]) -> None:
             ctxt = f"{cpu['median']:.2f}" if cpu else "-"
             if r.get("cpu_ms_per_step_vs_torch"):
                 ctxt += f" ({r['cpu_ms_per_step_vs_torch']['median']:.3f})"
+            th = r.get("thread_cpu_ms_per_step") or {}
+            ttxt = ", ".join(f"{th[k]['median']:.2f}" if k in th else "-"
+                             for k in ("main", "other", "moonbright")) if th else "-"
             ins = r.get("instructions_per_step")
             itxt = f"{ins['median'] / 1e6:.2f}" if ins else "-"
             if r.get("instructions_per_step_vs_torch"):
                 v = r["instructions_per_step_vs_torch"]
                 itxt += f" ({v['median']:.4f}, {v['min']:.4f}-{v['max']:.4f})"
             print(f"| {wl['workload']} | {c} | {rtxt} | {r.get('rate_vs_torch', float('nan')):.3f} "
-                  f"| {ptxt} | {ctxt} | {itxt} "
+                  f"| {ptxt} | {ctxt} | {ttxt} | {itxt} "
                   f"| {gib(r.get('moonbright_peak_reserved') or r.get('peak_reserved'))} "
                   f"| {gib(r.get('peak_allocated'))} | {r['allocs_per_step'] or 0:.0f} | {calls} "
                   f"| {f'{ks:.2f}' if isinstance(ks, float) else '-'} |")
