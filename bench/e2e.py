@@ -30,7 +30,10 @@ Configurations: ``torch`` (PyTorch's default caching allocator), ``torch-expanda
 (``expandable_segments:True``), ``torch-async`` (``backend:cudaMallocAsync``), ``mb``
 (``moonbright.torch.enable()``, global mode), ``mb[CONF]`` (the same with
 ``MOONBRIGHT_ALLOC_CONF=CONF``), ``mb-pool`` (``moonbright.torch.pool()`` around everything:
-PyTorch's caching allocator over MoonBright's segments).
+PyTorch's caching allocator over MoonBright's segments). Any MoonBright configuration may end
+in ``@DIR``: its worker imports the ``moonbright`` package installed in ``DIR`` (``pip install
+--target DIR``), so that two builds run side by side in one call (``--config mb --config
+mb@/tmp/site-before``).
 
 Workloads: ``resnet50`` (torchvision ResNet-50 training, batch 64, bf16 autocast,
 channels_last, SGD), ``gpt2`` (GPT-2 medium training, AdamW, bf16 autocast, batch 4 x 512),
@@ -68,6 +71,9 @@ def config_env(name: str) -> dict[str, str | None]:
     env: dict[str, str | None] = {
         "PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None, "MOONBRIGHT_ALLOC_CONF": None
     }
+    if is_moonbright(name) and "@" in name:
+        name, site = name.split("@", 1)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     if name == "torch-expandable":
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     elif name == "torch-async":
@@ -363,7 +369,7 @@ def worker(args) -> int:
     pool_ctx = None
     if args.config == "null-pluggable":
         _KEEP.append(null_pluggable(torch))  # PyTorch keeps a raw pointer to it
-    elif args.config == "mb-pool":
+    elif args.config.split("@")[0] == "mb-pool":
         import moonbright
         import moonbright.torch
 
@@ -429,6 +435,7 @@ def worker(args) -> int:
                     "peak_allocated": torch.cuda.max_memory_allocated(),
                 }
                 if moonbright is not None:
+                    out["moonbright_package"] = os.path.dirname(moonbright.__file__)
                     s = moonbright.memory_stats()
                     out["moonbright_peak_reserved"] = s.get("reserved_bytes.all.peak")
                     out["moonbright_peak_allocated"] = s.get("allocated_bytes.all.peak")
@@ -464,7 +471,7 @@ class Worker:
             else:
                 env[k] = v
         env["PYTHONUNBUFFERED"] = "1"
-        safe = config.replace("[", "_").replace("]", "").replace(":", "-").replace(",", "_")
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in config)
         self.log_path = os.path.join(log_dir, f"{workload}.{safe}.log") if log_dir else os.devnull
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

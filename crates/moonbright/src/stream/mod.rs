@@ -519,9 +519,11 @@ impl Shared {
                         flushing.get_or_insert_with(|| Raised::new(&self.requests_flushing));
                         pause(WAIT_STEP);
                     } else {
-                        // The ranges wait for their streams' work: look for completed events
-                        // rather than wait for the worker's tick.
+                        // The ranges wait for their streams' work: record the events their
+                        // frees lack and look for completed ones, rather than wait for the
+                        // worker's tick (which stretches while no request needs them).
                         drop(flushing.take());
+                        self.record_missing_events();
                         if !self.poll_events() {
                             pause(WAIT_STEP);
                         }
