@@ -17,8 +17,9 @@ its paired ratio to PyTorch's turn (these do not move with the machine's clock r
 its CPUs were lent elsewhere, which make wall-clock rounds spread), and the CPU time split by
 thread (the launching thread, PyTorch's other threads, MoonBright's worker); for MoonBright, its
 driver calls per step in the timed steps and its cache's state after each turn; and, with
-``--kernels``, the GPU's kernel time per step (PyTorch's profiler), which says whether a step is bound by the device or by the CPU's launch rate. ``--micro`` adds the CPU
-cost of one allocation and one free through PyTorch's allocator interface
+``--kernels``, the GPU's kernel time per step (PyTorch's profiler), which says whether a step
+is bound by the device or by the CPU's launch rate. ``--micro`` adds the CPU cost of one
+allocation and one free through PyTorch's allocator interface
 (``torch.cuda.caching_allocator_alloc`` / ``caching_allocator_delete``) for every configuration
 and for a *null* pluggable allocator that does no work, which isolates the cost of PyTorch's
 pluggable-allocator wrapper.
