@@ -29,8 +29,9 @@ const IDLE_TICK: Duration = Duration::from_millis(20);
 /// event calls and lock take time from the thread launching kernels: at 200 µs, greedy decoding
 /// of a small Llama ran 25% slower with the process on one core (H200).
 const EVENT_TICK: Duration = Duration::from_millis(2);
-/// The longest tick while frees wait only for their events and no request has missed its
-/// stream's cache since the last pass: the tick doubles from `EVENT_TICK` up to this. In a loop
+/// The longest tick while frees wait only for their events, no request has missed its
+/// stream's cache since the last pass and the worker had no mapping work: the tick doubles from
+/// `EVENT_TICK` up to this. In a loop
 /// whose frees all go back to their own stream (one stream, the cache warm) the worker's event
 /// records and queries, on the stream the loop launches on, serve nothing: a ResNet-50 training
 /// step made 1.8 worker calls instead of 8.7 (H100). A miss brings the tick back: settled frees
