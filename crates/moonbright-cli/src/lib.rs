@@ -57,6 +57,12 @@ pub(crate) struct ReplayArgs {
     /// it goes.
     #[arg(long)]
     pub pace: Option<f64>,
+    /// Free in stream order, as PyTorch does under `moonbright.torch.enable()` (each free a
+    /// `free_async` on the block's stream, its memory pending there until an event settles
+    /// it), instead of at once. With `background:false` nothing records those events but a
+    /// request short of memory.
+    #[arg(long)]
+    pub stream_frees: bool,
     /// Replay the trace this many times through one allocator (what a longer run of the same
     /// steps does): each repetition gets a line, and the summary's latencies are the last
     /// one's, its peaks those of the whole run.

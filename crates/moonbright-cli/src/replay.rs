@@ -30,6 +30,8 @@ pub(crate) struct Outcome {
     pub cap: u64,
     /// The pace the replay kept (`--pace`), if any.
     pub pace: Option<f64>,
+    /// Whether frees were stream-ordered (`--stream-frees`).
+    pub stream_frees: bool,
     /// The last repetition's report (the only one's without `--repeat`).
     pub report: ReplayReport,
     /// Each repetition's figures, with `--repeat` 2 or more (else empty).
@@ -168,6 +170,7 @@ impl Outcome {
                 "live_at_end": r.live_at_end,
                 "wall_s": r.wall.as_secs_f64(),
                 "pace": self.pace,
+                "stream_frees": self.stream_frees,
                 "repeat": self.repetitions.len().max(1),
                 "repetitions": self.repetitions.iter().map(Repetition::to_json).collect::<Vec<_>>(),
                 "alloc_latency": lat(&r.alloc_latency_ns),
@@ -288,7 +291,12 @@ pub(crate) fn run(
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let ropts = ReplayOptions { limit: None, series_points, pace: args.pace };
+    let ropts = ReplayOptions {
+        limit: None,
+        series_points,
+        pace: args.pace,
+        stream_frees: args.stream_frees,
+    };
     let mut repetitions = Vec::new();
     let mut report = ReplayReport::default();
     for i in 0..reps {
@@ -313,6 +321,7 @@ pub(crate) fn run(
         page: alloc.page_size(),
         cap: alloc.cap(),
         pace: args.pace,
+        stream_frees: args.stream_frees,
         report,
         repetitions,
         stats,
@@ -373,12 +382,13 @@ pub(crate) fn print_summary(o: &Outcome) {
     let reps = o.repetitions.len().max(1) as u64;
     let last = if reps > 1 { format!(", the last of {reps} repetitions") } else { String::new() };
     println!(
-        "replayed {} events in {:.2} s{paced}{last}: {} allocs ({} failed), {} frees, {} frees of unknown addresses skipped",
+        "replayed {} events in {:.2} s{paced}{last}: {} allocs ({} failed), {} frees{}, {} frees of unknown addresses skipped",
         r.events,
         r.wall.as_secs_f64(),
         r.allocs,
         r.failed_allocs,
         r.frees,
+        if o.stream_frees { " (stream-ordered)" } else { "" },
         r.unknown_frees,
     );
     if let Some(e) = &r.first_error {

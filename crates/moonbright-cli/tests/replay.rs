@@ -212,3 +212,33 @@ fn demo_still_runs_on_the_host_backend() {
     assert!(o.status.success(), "{out}");
     assert!(out.contains("result: MoonBright served"), "{out}");
 }
+
+/// `--stream-frees`: each free is stream-ordered (`free_async` on the block's stream), so with
+/// the default options each records its event; without it a free is synchronous and records
+/// none. Both free every block.
+#[test]
+fn replay_frees_in_stream_order_on_request() {
+    let dir = TempDir::new("stream-frees");
+    std::fs::write(dir.0.join("t.csv"), small_trace()).unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["replay", "t.csv", "--backend", "host", "--host-page-kib", "64"];
+        args.extend_from_slice(&["--conf", "background:false", "--json", "out.json"]);
+        args.extend_from_slice(extra);
+        let o = moonbright(&args, &dir.0);
+        let out = text(&o);
+        assert!(o.status.success(), "{out}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.0.join("out.json")).unwrap())
+                .unwrap();
+        (out, json)
+    };
+    let (out, json) = run(&["--stream-frees"]);
+    assert!(out.contains("3 frees (stream-ordered)"), "{out}");
+    assert_eq!(json["replay"]["stream_frees"], true);
+    assert_eq!(json["replay"]["frees"], 3);
+    assert_eq!(json["moonbright"]["driver_calls"]["event_record"], 3);
+    let (out, json) = run(&[]);
+    assert!(out.contains("3 frees, 1 frees"), "{out}");
+    assert_eq!(json["replay"]["stream_frees"], false);
+    assert_eq!(json["moonbright"]["driver_calls"]["event_record"].as_u64().unwrap_or(0), 0);
+}

@@ -23,6 +23,12 @@ pub struct ReplayOptions {
     /// late event goes at once. `None`: as fast as it goes. Paced, the background worker sees
     /// the idle spells a program leaves it; unpaced, it sees none.
     pub pace: Option<f64>,
+    /// Free in stream order, as PyTorch does under `moonbright.torch.enable()`: each
+    /// `free_completed` is a `free_async` on the stream the block was allocated on, so its
+    /// memory waits, pending on that stream, until an event settles it (recorded by the
+    /// background worker, or by a request that needs it). `false`: a synchronous `free`, the
+    /// memory settled at once (the recorder saw the free complete).
+    pub stream_frees: bool,
 }
 
 /// One point of a replay's series: the highest allocated and reserved bytes over a stretch of
@@ -177,7 +183,8 @@ pub fn replay(
         None => &trace.events[..],
     };
     let mut rep = ReplayReport::default();
-    let mut ours: HashMap<u64, DevicePtr> = HashMap::new();
+    // The recorder's address -> ours and the stream it was allocated on.
+    let mut ours: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
     let mut failed: HashMap<u64, ()> = HashMap::new();
     rep.alloc_latency_ns.reserve(events.len() / 3 + 1);
     rep.free_latency_ns.reserve(events.len() / 3 + 1);
@@ -224,7 +231,7 @@ pub fn replay(
                             };
                             keep_if_slow(&mut rep.slowest, a);
                         }
-                        if let Some(old) = ours.insert(e.addr, ptr) {
+                        if let Some((old, _)) = ours.insert(e.addr, (ptr, e.stream)) {
                             // The recorder reused an address without a free: drop the old block.
                             let _ = alloc.free(old);
                         }
@@ -238,9 +245,13 @@ pub fn replay(
                 }
             }
             Action::FreeCompleted => match ours.remove(&e.addr) {
-                Some(ptr) => {
+                Some((ptr, stream)) => {
                     let t = Instant::now();
-                    let r = alloc.free(ptr);
+                    let r = if opts.stream_frees {
+                        alloc.free_async(ptr, StreamHandle(stream))
+                    } else {
+                        alloc.free(ptr)
+                    };
                     rep.free_latency_ns.push(t.elapsed().as_nanos() as u64);
                     if let Err(err) = r {
                         rep.first_error.get_or_insert_with(|| format!("free: {err}"));
@@ -270,7 +281,7 @@ pub fn replay(
     rep.events = events.len() as u64;
     progress(rep.events);
     rep.live_at_end = ours.len() as u64;
-    for (_, ptr) in ours.drain() {
+    for (_, (ptr, _)) in ours.drain() {
         let _ = alloc.free(ptr);
     }
     rep.alloc_latency_ns.sort_unstable();

@@ -201,7 +201,7 @@ fn replay_on_the_host_backend_reaches_the_trace_peak() {
     let rep = trace::replay(
         &alloc,
         &t,
-        &ReplayOptions { limit: None, series_points: 4, pace: None },
+        &ReplayOptions { limit: None, series_points: 4, ..ReplayOptions::default() },
         &mut |n| calls.push(n),
     );
     assert_eq!(calls.last(), Some(&12));
@@ -228,7 +228,7 @@ fn replay_on_the_host_backend_reaches_the_trace_peak() {
     let rep = trace::replay(
         &small,
         &t,
-        &ReplayOptions { limit: Some(3), series_points: 0, pace: None },
+        &ReplayOptions { limit: Some(3), ..ReplayOptions::default() },
         &mut |_| {},
     );
     assert_eq!((rep.events, rep.allocs, rep.failed_allocs), (3, 2, 0));
