@@ -6,7 +6,7 @@ steps repeated, as a training loop runs them (the shared traces in traces/ vary 
     python3 bench/record_trace.py gpt2 --steps 12 --out trace_e2e_gpt2.json.gz
 
 Writes PyTorch's snapshot JSON (gzipped; `moonbright replay` reads it) with only the device's
-trace, and beside it `<out>.steps.json`: the number of trace entries after the setup and after
+trace, and beside it `<out>.steps.json`: the number of trace events after the setup and after
 each step, so that a replay limited to them (`--limit`) counts what each step cost. Also prints
 PyTorch's peak reserved over peak allocated.
 """
@@ -38,7 +38,10 @@ def main() -> int:
     torch.cuda.synchronize()
 
     def entries() -> int:
-        return len(torch.cuda.memory._snapshot()["device_traces"][0])
+        # Each `_snapshot` call adds a "snapshot" entry of its own, which replay skips: the marks
+        # count the others, so that they are the replay's event indices.
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        return sum(e["action"] != "snapshot" for e in trace)
 
     marks = [entries()]
     for _ in range(args.steps):
@@ -48,7 +51,7 @@ def main() -> int:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = [{k: e.get(k) for k in ("action", "addr", "size", "stream", "time_us")}
-             for e in snap["device_traces"][0]]
+             for e in snap["device_traces"][0] if e["action"] != "snapshot"]
     with gzip.open(args.out, "wt") as f:
         json.dump({"segments": [], "device_traces": [trace]}, f)
     with open(args.out + ".steps.json", "w") as f:

@@ -59,8 +59,8 @@ pub(crate) struct ReplayArgs {
     pub pace: Option<f64>,
     /// Free in stream order, as PyTorch does under `moonbright.torch.enable()` (each free a
     /// `free_async` on the block's stream, its memory pending there until an event settles
-    /// it), instead of at once. With `background:false` nothing records those events but a
-    /// request short of memory.
+    /// it), instead of at once. Under `deferred_free_events` the frees record no event of their
+    /// own: the background worker records them, or a request short of memory.
     #[arg(long)]
     pub stream_frees: bool,
     /// Replay the trace this many times through one allocator (what a longer run of the same
