@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::config::Options;
+use crate::config::{Options, Profile};
 use crate::core::heap::{ChunkLimits, Heap, Limits, PolicyShares, UnmapLimits};
 use crate::core::history::{HistoryEvent, SegmentInfo};
 use crate::core::stats::Stats;
@@ -99,6 +99,7 @@ impl Allocator {
                 grow_first_per_1024: per_1024(options.grow_first),
             },
             defer_free_events: options.deferred_free_events,
+            own_frees_before_new: options.profile == Profile::Memory,
         };
         let background = options.background;
         let shared = Arc::new(Shared::new(driver, Heap::new(lim), options));

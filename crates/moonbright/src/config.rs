@@ -41,8 +41,10 @@ impl std::str::FromStr for BackendKind {
 /// (`near_fit`, `carve`, `carve_repeated`, `grow_first`); options set beside it win.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Profile {
-    /// The least memory: no carving. Holds the least on every trace and on the fragmentation
-    /// stress, and maps the most often.
+    /// The least memory: no carving, and a request about to make new memory first records an
+    /// event on its stream, so that the stream's own frees waiting for the background worker's
+    /// event (`deferred_free_events`, as under PyTorch) serve it, remapped. Holds the least on
+    /// every trace and on the fragmentation stress, and maps the most often.
     Memory,
     /// The default: a little memory (a budget of 0.25% of the peak in use, 1% for sizes asked
     /// for recently) spent on carving, which maps far less often in repeated steps.

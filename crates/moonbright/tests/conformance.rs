@@ -27,9 +27,15 @@ fn host_background_options() -> Options {
 }
 
 /// The background worker on, with PyTorch's contract: captures announced, frees' events
-/// recorded by the worker (streams outlive the allocator).
+/// recorded by the worker (streams outlive the allocator); under the memory profile, whose
+/// requests record those events themselves before making new memory.
 fn host_deferred_options() -> Options {
-    Options { captures_announced: true, deferred_free_events: true, ..host_background_options() }
+    let o = Options {
+        captures_announced: true,
+        deferred_free_events: true,
+        ..host_background_options()
+    };
+    o.with_profile(moonbright::Profile::Memory)
 }
 
 /// The host backend charging the modelled costs of device-written page tables (a launch a

@@ -883,6 +883,42 @@ fn deferred_free_events_are_recorded_later_and_order_reuse_the_same() {
     a.check_invariants().unwrap();
 }
 
+/// Under the memory profile, a request about to make new memory while its stream's own frees
+/// wait for an event no thread has recorded (`deferred_free_events`) records that event itself
+/// and remaps their pages: nothing new is held. The default makes new memory instead, and so
+/// does the memory profile when the record fails (asked once, never in a loop).
+#[test]
+fn the_memory_profile_serves_a_stream_from_its_own_unrecorded_frees() {
+    use moonbright::Profile;
+    for (profile, record_fails) in
+        [(Profile::Memory, false), (Profile::Balanced, false), (Profile::Memory, true)]
+    {
+        let o = Options { deferred_free_events: true, prefetch_window_max: 0, ..opts(false) };
+        let a = Allocator::new(o.with_profile(profile)).unwrap();
+        let s = streams(&a, 1)[0];
+        host(&a).hold_stream(s);
+        let p = a.malloc_async(8 * PAGE, s).unwrap();
+        a.free_async(p, s).unwrap();
+        let (held, records) =
+            (a.stats().reserved_bytes.current, a.stats().driver_calls.get(CallKind::EventRecord));
+        if record_fails {
+            a.driver().fail_nth(CallKind::EventRecord, 1, None);
+        }
+        // Half the size: no exact fit, and only the pending range's chunks could serve it.
+        let q = a.malloc_async(4 * PAGE, s).unwrap();
+        stamp(&a, q, 4 * PAGE, 7).unwrap();
+        let grew = a.stats().reserved_bytes.current > held;
+        let case = format!("{profile:?}, record fails: {record_fails}");
+        assert_eq!(grew, profile != Profile::Memory || record_fails, "{case}");
+        let recorded = a.stats().driver_calls.get(CallKind::EventRecord) - records;
+        assert_eq!(recorded, (profile == Profile::Memory) as u64, "{case}");
+        assert!(verify(&a, q, 4 * PAGE, 7).unwrap(), "{case}");
+        a.free_async(q, s).unwrap();
+        host(&a).release_stream(s);
+        a.check_invariants().unwrap();
+    }
+}
+
 /// A loop that frees on a stream whose work never ends (a launch-bound decoder's) keeps frees
 /// pending for good: the worker then records and queries their events every 2 ms, not at its
 /// 200 µs mapping tick, so its driver calls stay few beside the thread that launches kernels.

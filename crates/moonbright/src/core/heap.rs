@@ -139,6 +139,11 @@ pub(crate) struct Limits {
     /// A free on one stream records no event; the worker records one for the stream's latest
     /// frees (`Options::deferred_free_events`).
     pub defer_free_events: bool,
+    /// A request about to make new memory first records an event on its stream, so that the
+    /// stream's pending frees no event covers yet may serve it (`Step::RecordOwnFrees`): less
+    /// memory held when frees record no event of their own, and more remaps in repeated steps
+    /// (`Profile::Memory`).
+    pub own_frees_before_new: bool,
 }
 
 /// The sizes new chunks are made in, in pages.
@@ -198,6 +203,11 @@ pub(crate) enum Step {
     /// (to free addresses). A request makes these calls itself, so the narrower the better: a
     /// whole batch takes milliseconds.
     Flush(Option<ChunkId>),
+    /// Record an event on the request's stream, then plan again: new memory would be made while
+    /// the stream's own pending frees that no event covers yet could serve it
+    /// (`StreamFrees::ask_to_cover`). The request's thread may record there: its call on the
+    /// stream shows the stream alive.
+    RecordOwnFrees,
     /// Not enough free memory now, but plans or releases in flight hold some, or (below a
     /// page) an arena has room since the request missed: wait a moment, then try the fast
     /// paths and plan again. (Decided under the same lock as the shortfall: a request that

@@ -183,6 +183,14 @@ impl Streams {
         out
     }
 
+    /// `needing_events` for `stream` alone.
+    pub fn needing_event(&mut self, stream: u64, cap: usize) -> Option<(u64, Option<EventHandle>)> {
+        let f = self.by_stream.get_mut(&stream).filter(|f| f.needs_event())?;
+        let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
+        let ev = f.event_to_record(cap).or_else(|| self.stock.pop());
+        Some((epoch, ev))
+    }
+
     /// Whether any stream has frees waiting.
     pub fn any_pending(&self) -> bool {
         !self.joined.is_empty() || self.by_stream.values().any(|f| !f.is_empty())

@@ -25,24 +25,46 @@ impl Shared {
         let needing = self.heap().streams_needing_events();
         let mut any = false;
         for (stream, epoch, spare) in needing {
-            if !self.options.captures_announced {
-                match self.driver.is_capturing(StreamHandle(stream)) {
-                    Ok(false) => {}
-                    capturing => {
-                        self.heap().record_settled(stream, epoch, Err(spare), false);
-                        if let Err(e) = capturing {
-                            self.heap().note_deferred_error(e);
-                        }
-                        continue;
-                    }
-                }
-            }
-            any = true;
-            if let Err(e) = self.record(stream, epoch, spare, false) {
-                self.heap().note_deferred_error(e);
-            }
+            any |= self.record_unless_capturing(stream, epoch, spare);
         }
         any
+    }
+
+    /// Records `spare` (or a new event) on `stream` for the free of `epoch`, unless the stream
+    /// is being captured (asked only without `captures_announced`; the callers skip recording
+    /// while an announced capture runs): the free then keeps needing its event. Returns whether
+    /// it recorded (or tried to).
+    fn record_unless_capturing(&self, stream: u64, epoch: u64, spare: Option<EventHandle>) -> bool {
+        if !self.options.captures_announced {
+            match self.driver.is_capturing(StreamHandle(stream)) {
+                Ok(false) => {}
+                capturing => {
+                    self.heap().record_settled(stream, epoch, Err(spare), false);
+                    if let Err(e) = capturing {
+                        self.heap().note_deferred_error(e);
+                    }
+                    return false;
+                }
+            }
+        }
+        if let Err(e) = self.record(stream, epoch, spare, false) {
+            self.heap().note_deferred_error(e);
+        }
+        true
+    }
+
+    /// Records an event on `stream` for its frees that no event covers and whose own threads
+    /// record none (`Step::RecordOwnFrees`): called by a request on `stream`, which shows the
+    /// stream alive. As in `record_missing_events`, never into a capture.
+    pub(super) fn record_own_frees(&self, stream: u64) {
+        let _gate = self.record_gate.lock().unwrap_or_else(|e| e.into_inner());
+        if self.options.captures_announced && self.captures_in_progress.load(Ordering::SeqCst) > 0 {
+            return;
+        }
+        let needing = self.heap().stream_needing_event(stream);
+        if let Some((epoch, spare)) = needing {
+            self.record_unless_capturing(stream, epoch, spare);
+        }
     }
 
     /// Tops the stock of events up to `target` once it is down to half, creating them here, off

@@ -529,6 +529,7 @@ impl Shared {
                         }
                     }
                 }
+                Step::RecordOwnFrees => self.record_own_frees(stream),
                 Step::Wait => {
                     pause(WAIT_STEP);
                     return Ok(None);

@@ -165,7 +165,7 @@ impl Worker {
             heap.plan_window_refill(want, create, whole)
         };
         let plan = match plan {
-            None | Some(Step::Wait | Step::OutOfMemory(_)) => return false,
+            None | Some(Step::Wait | Step::OutOfMemory(_) | Step::RecordOwnFrees) => return false,
             Some(Step::Flush(_)) => {
                 if let Err(crate::Error::Driver(e)) = shared.flush_in_background() {
                     shared.heap().note_deferred_error(e);

@@ -82,6 +82,11 @@ impl Heap {
         self.streams.needing_events(EVENTS_IN_FLIGHT)
     }
 
+    /// `streams_needing_events` for `stream` alone: (newest epoch, spare event).
+    pub fn stream_needing_event(&mut self, stream: u64) -> Option<(u64, Option<EventHandle>)> {
+        self.streams.needing_event(stream, EVENTS_IN_FLIGHT)
+    }
+
     /// Whether any recorded event is not known complete (what `events_to_query` would list).
     pub fn has_listed_events(&self) -> bool {
         self.streams.iter().any(|(_, f)| f.events().next().is_some())

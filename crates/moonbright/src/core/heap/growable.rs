@@ -159,6 +159,7 @@ impl Heap {
             Step::Wait => Resize::Busy,
             Step::OutOfMemory(e) => Resize::OutOfMemory(e),
             Step::Reserve(_) => unreachable!("a growable's tail needs no new reservation"),
+            Step::RecordOwnFrees => unreachable!("a growable's plan makes no ask (`large` false)"),
         })
     }
 

@@ -190,6 +190,14 @@ impl Heap {
                 }
             }
         }
+        // New memory while the stream's own pending frees could serve the plan once an event
+        // covers them: have the request record one first (`Limits::own_frees_before_new`).
+        let own_first = left > 0 && large && !grown && self.lim.own_frees_before_new;
+        if own_first && self.streams.get_mut(stream).is_some_and(|f| f.ask_to_cover()) {
+            self.give_back(got, same_stream);
+            self.va.recycle(va, len);
+            return Step::RecordOwnFrees;
+        }
         if left > 0 {
             if self.headroom() < left {
                 self.give_back(got, same_stream);

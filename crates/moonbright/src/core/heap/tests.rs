@@ -35,6 +35,7 @@ fn growing_ahead_gives_every_request_table_room_and_is_idempotent() {
             grow_first_per_1024: 0,
         },
         defer_free_events: false,
+        own_frees_before_new: false,
     };
     let mut h = Heap::new(lim);
     let caps = |h: &Heap| {

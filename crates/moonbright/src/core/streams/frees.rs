@@ -133,6 +133,9 @@ pub(crate) struct StreamFrees {
     /// The newest epoch of a sub-page free, whose block waits in its arena, held for this
     /// stream (`SubPage`), not here.
     held: Option<u64>,
+    /// The newest epoch when a request of this stream last asked for an event to be recorded
+    /// here (`ask_to_cover`): one ask per run of frees, whatever the record's outcome.
+    asked: Option<u64>,
 }
 
 impl StreamFrees {
@@ -292,6 +295,25 @@ impl StreamFrees {
     /// one may record on it.
     pub fn needs_event(&self) -> bool {
         !self.is_empty() && self.failed > self.covered
+    }
+
+    /// Whether a request of this stream, about to make new memory, should record an event here
+    /// first, so that its pending ranges no event covers yet may serve it (`OwnPending`): some
+    /// wait for a record no thread of theirs will make (`needs_event`), and no request asked
+    /// since the newest free. Noted as asked.
+    pub fn ask_to_cover(&mut self) -> bool {
+        if !self.needs_event() || self.asked >= self.newest {
+            return false;
+        }
+        let covered = self.covered;
+        let uncovered = self.items.slots.iter().rev().filter_map(|(_, it)| it.as_ref());
+        let any = uncovered
+            .take_while(|it| Some(it.epoch) > covered)
+            .any(|it| matches!(it.what, Pending::Range { .. }));
+        if any {
+            self.asked = self.newest;
+        }
+        any
     }
 
     /// Notes that the record of an event for the free of `epoch` failed.
