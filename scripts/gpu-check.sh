@@ -2,8 +2,9 @@
 # The GPU checks, on a machine with a GPU and no Rust toolchain, from what scripts/pack-gpu.sh
 # put in carry/. Logs go under ${OUT:-gpu-out}/check and are packed into check.tgz.
 #   bash scripts/gpu-check.sh            # everything
-#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py, paged, hf
-# (hf: only the Hugging Face GrowableCache GPU test, which py runs too; it needs transformers)
+#   bash scripts/gpu-check.sh rust py    # some groups: rust, demo, replay, stress, py, dist, paged, hf
+# (hf: only the Hugging Face GrowableCache GPU test, which py runs too; it needs transformers;
+# dist: torch.distributed and NCCL, one process per GPU, which py leaves out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Fail closed: a GPU test that cannot reach the GPU (no driver, a broken probe, no PyTorch or
@@ -18,7 +19,7 @@ out=${OUT:-gpu-out}/check
 mkdir -p "$out"
 bin=carry/bin
 groups=("$@")
-[ ${#groups[@]} -eq 0 ] && groups=(rust demo replay stress py paged)
+[ ${#groups[@]} -eq 0 ] && groups=(rust demo replay stress py dist paged)
 want() { local g; for g in "${groups[@]}"; do [ "$g" = "$1" ] && return 0; done; return 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 # The paged pool compiles its kernels with NVRTC at run time.
@@ -57,7 +58,13 @@ if want stress; then
 fi
 if want py; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
-  run python-gpu 600 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs python/tests/gpu
+  run python-gpu 600 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs python/tests/gpu \
+    --ignore=python/tests/gpu/test_distributed_gpu.py
+fi
+if want dist; then
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site carry/wheel/moonbright-*.whl
+  run python-dist 400 env PYTHONPATH=/tmp/site python3 -m pytest -x -q -rs \
+    python/tests/gpu/test_distributed_gpu.py
 fi
 if want hf; then
   site=${SITE:-$(mktemp -d)}
