@@ -133,6 +133,11 @@ def test_stats_after_allocations_through_the_c_symbols(lib):
     assert s["reserved_bytes.all.current"] >= s["active_bytes.all.current"]
     assert s["allocation.all.current"] - before["allocation.all.current"] == 2
     assert s["num_device_alloc"] > before["num_device_alloc"] or s["moonbright.cache_hits"] > 0
+    # where held memory went at its peak: parts that add up to it
+    parts = ("requested", "rounding", "arena_free", "cached", "pending", "window", "bare", "other")
+    held = s["moonbright.held_at_peak.reserved"]
+    assert 0 < held <= s["reserved_bytes.all.peak"]
+    assert sum(s[f"moonbright.held_at_peak.{k}"] for k in parts) == held
     # data lands where the pointer says
     moonbright._moonbright._write(p, b"moonbright")
     assert moonbright._moonbright._read(p, 10) == b"moonbright"

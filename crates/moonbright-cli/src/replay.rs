@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use moonbright::driver::cuda;
-use moonbright::{Allocator, BackendKind, CallKind, Options, Stats};
+use moonbright::{Allocator, BackendKind, CallKind, HeldAtPeak, Options, Stats};
 use moonbright_trace::{
     self as trace, Format, RecordedFigures, ReplayOptions, ReplayReport, Trace,
 };
@@ -209,6 +209,7 @@ impl Outcome {
                 "deferred_errors": s.deferred_errors,
                 "driver_calls": calls,
                 "driver_calls_total": s.driver_calls.total(),
+                "held_at_peak": held_json(&s.held_at_peak),
             },
         })
     }
@@ -329,6 +330,29 @@ pub(crate) fn run(
     })
 }
 
+fn held_json(h: &HeldAtPeak) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    m.insert("reserved".into(), h.reserved.into());
+    for (name, bytes) in h.parts() {
+        m.insert(name.into(), bytes.into());
+    }
+    m.into()
+}
+
+/// One line: each part of held memory at its peak with its share, the parts with none left out.
+fn held_line(h: &HeldAtPeak) -> String {
+    let parts: Vec<String> = h
+        .parts()
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(name, b)| {
+            let share = 100.0 * *b as f64 / h.reserved.max(1) as f64;
+            format!("{} {} ({share:.1}%)", name.replace('_', " "), gib(*b))
+        })
+        .collect();
+    format!("  held at its peak ({}): {}", gib(h.reserved), parts.join(" | "))
+}
+
 pub(crate) fn gib(b: u64) -> String {
     if b >= GIB {
         format!("{:.2} GiB", b as f64 / GIB as f64)
@@ -408,6 +432,7 @@ pub(crate) fn print_summary(o: &Outcome) {
     if let (Some(pr), Some(ratio)) = (rec.peak_reserved, rec.reserved_over_requested()) {
         println!("  {:<34} {:>12}   {:.3}", "reserved, as the trace records it", gib(pr), ratio);
     }
+    println!("{}", held_line(&s.held_at_peak));
     println!();
     println!(
         "alloc latency: p50 {} | p90 {} | p99 {} | p99.9 {} | max {}",

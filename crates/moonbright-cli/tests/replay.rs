@@ -100,6 +100,14 @@ fn replay_prints_the_figures_and_writes_json_and_a_plot() {
     let reserved = json["moonbright"]["peak_reserved_bytes"].as_u64().unwrap();
     assert!((8 * MIB..=9 * MIB).contains(&reserved), "{reserved}");
     assert!(json["moonbright"]["driver_calls"]["map"].as_u64().unwrap() > 0);
+    // Where held memory went at its peak: parts that add up to it.
+    assert!(out.contains("held at its peak ("), "{out}");
+    let held = &json["moonbright"]["held_at_peak"];
+    let parts = ["requested", "rounding", "arena_free", "cached", "pending", "window", "bare"];
+    let sum: u64 = parts.iter().chain(["other"].iter()).map(|p| held[p].as_u64().unwrap()).sum();
+    let held_reserved = held["reserved"].as_u64().unwrap();
+    assert_eq!(sum, held_reserved, "{held}");
+    assert!(held_reserved > 0 && held_reserved <= reserved, "{held}");
 
     let png = std::fs::read(dir.0.join("out.png")).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 1000);

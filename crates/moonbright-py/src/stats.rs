@@ -83,6 +83,11 @@ pub(crate) fn flat_stats(s: &Stats, cap: u64, page: usize) -> BTreeMap<String, i
     for (kind, n) in s.driver_calls.iter() {
         out.insert(format!("moonbright.driver_calls.{}", kind.key()), n as i64);
     }
+    let held = &s.held_at_peak;
+    out.insert("moonbright.held_at_peak.reserved".into(), held.reserved as i64);
+    for (part, n) in held.parts() {
+        out.insert(format!("moonbright.held_at_peak.{part}"), n as i64);
+    }
     out
 }
 

@@ -298,7 +298,8 @@ impl Allocator {
 
     /// A snapshot of the statistics.
     pub fn stats(&self) -> Stats {
-        let heap = self.shared.heap();
+        let mut heap = self.shared.heap();
+        heap.settle_held_at_peak();
         let mut s = heap.stats().clone();
         s.events_stocked = heap.events_stocked() as u64;
         let base = *heap.calls_at_reset();

@@ -31,7 +31,7 @@ pub mod testing;
 
 pub use allocator::{Allocator, GrowableInfo};
 pub use config::{BackendKind, Options, Profile};
-pub use core::stats::{Stat, Stats};
+pub use core::stats::{HeldAtPeak, Stat, Stats};
 pub use driver::{Backend, CallKind, DevicePtr, DriverError, StreamHandle};
 pub use error::{Error, Result};
 pub use ipc::Export;

@@ -919,6 +919,30 @@ fn the_memory_profile_serves_a_stream_from_its_own_unrecorded_frees() {
     }
 }
 
+/// `Stats::held_at_peak` says where held memory went when it last rose: live bytes as asked,
+/// their rounding to pages, and a free still pending on its stream, beside which a request of
+/// another size made new memory. The parts add up to what was held.
+#[test]
+fn held_memory_at_its_peak_is_split_by_where_it_goes() {
+    let a = Allocator::new(Options { prefetch_window_max: 0, ..opts(false) }).unwrap();
+    let s = streams(&a, 1)[0];
+    host(&a).hold_stream(s);
+    let p = a.malloc_async(4 * PAGE, s).unwrap();
+    a.free_async(p, s).unwrap();
+    // 2.5 pages: no exact fit, and the pending range's one chunk of 4 pages is too large.
+    let q = a.malloc_async(5 * PAGE / 2, s).unwrap();
+    let st = a.stats();
+    let h = st.held_at_peak;
+    let page = PAGE as u64;
+    assert_eq!((h.reserved, st.reserved_bytes.peak), (7 * page, 7 * page));
+    assert_eq!((h.requested, h.rounding, h.pending), (5 * page / 2, page / 2, 4 * page));
+    let parts = [h.requested, h.rounding, h.arena_free, h.cached, h.pending, h.window, h.bare];
+    assert_eq!((parts.iter().sum::<u64>(), h.other), (h.reserved, 0), "{h:?}");
+    a.free_async(q, s).unwrap();
+    host(&a).release_stream(s);
+    a.check_invariants().unwrap();
+}
+
 /// A loop that frees on a stream whose work never ends (a launch-bound decoder's) keeps frees
 /// pending for good: the worker then records and queries their events every 2 ms, not at its
 /// 200 µs mapping tick, so its driver calls stay few beside the thread that launches kernels.

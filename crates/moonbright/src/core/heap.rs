@@ -18,7 +18,7 @@ use super::history::{History, HistoryAction, HistoryEvent};
 use super::mapping::MapPlan;
 use super::pool::{ChunkId, Pool};
 use super::sizes::RecentSizes;
-use super::stats::Stats;
+use super::stats::{HeldAtPeak, Stats};
 use super::streams::Streams;
 use super::subpage::{SubPage, SUBPAGE_ALIGN};
 use super::vaspace::{Retired, VaSpace};
@@ -242,6 +242,8 @@ struct Notes {
     /// Sizes of recent requests of a page or more: carving's larger budget for repeated sizes
     /// (`Options::carve_repeated`) and smaller chunks for them (`max_chunk_repeated_bytes`).
     sizes: RecentSizes,
+    /// Held memory rose to a new peak since `Stats::held_at_peak` was last taken.
+    held_peak_due: bool,
 }
 
 /// MoonBright's allocator state: the books (chunks, addresses, ranges, the cache, arenas,
@@ -316,8 +318,45 @@ impl Heap {
         &self.stats
     }
 
+    /// Takes `Stats::held_at_peak` now if held memory is at a new peak no allocation has seen
+    /// since (the worker's window refills raise it between requests).
+    pub fn settle_held_at_peak(&mut self) {
+        let reserved = &self.stats.reserved_bytes;
+        if self.notes.held_peak_due && reserved.current == reserved.peak {
+            self.stats.held_at_peak = self.held_breakdown();
+            self.notes.held_peak_due = false;
+        }
+    }
+
     pub fn reset_peaks(&mut self) {
         self.stats.reset_peaks();
+        self.notes.held_peak_due = true;
+    }
+
+    /// Where held memory goes now (`Stats::held_at_peak`).
+    fn held_breakdown(&self) -> HeldAtPeak {
+        let s = &self.stats;
+        let requested = s.allocated_bytes.current;
+        let mut held = HeldAtPeak {
+            reserved: s.reserved_bytes.current,
+            requested,
+            rounding: s.active_bytes.current.saturating_sub(requested),
+            arena_free: self.sub.free_bytes() + self.carved.free_bytes(),
+            cached: self.bytes(self.cache.pages),
+            pending: self.bytes(self.streams.pending_pages()),
+            window: self.bytes(self.window.mapped.pages()),
+            bare: self.bytes(self.pool.bare_pages()),
+            other: 0,
+        };
+        let known = held.requested
+            + held.rounding
+            + held.arena_free
+            + held.cached
+            + held.pending
+            + held.window
+            + held.bare;
+        held.other = held.reserved.saturating_sub(known);
+        held
     }
 
     /// Zeroes every cumulative figure (see `Stats::reset_accumulated`); `calls_now`, the
@@ -512,6 +551,9 @@ impl Heap {
         let live = Live { size, rounded, stream, backing, uses: Vec::new(), pooled: false, tag };
         let prev = self.live.allocs.insert(ptr, live);
         debug_assert!(prev.is_none(), "pointer handed out twice");
+        if self.notes.held_peak_due {
+            self.settle_held_at_peak();
+        }
     }
 
     /// Grows the tables requests insert into (live allocations, ranges, recent frees) ahead of

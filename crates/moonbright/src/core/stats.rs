@@ -34,6 +34,48 @@ impl Stat {
     }
 }
 
+/// Where held memory went when it last reached its peak (`Stats::held_at_peak`), in bytes that
+/// add up to `reserved`: taken at the first allocation after held memory rose to a new peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeldAtPeak {
+    /// Held memory (`reserved_bytes`) then.
+    pub reserved: u64,
+    /// Live allocations, as requested.
+    pub requested: u64,
+    /// Their rounding: to 256 bytes below a page, to whole pages from a page up.
+    pub rounding: u64,
+    /// Free space inside sub-page and carved arenas, whose pages live blocks share.
+    pub arena_free: u64,
+    /// Freed ranges kept mapped in the cache.
+    pub cached: u64,
+    /// Freed ranges still pending on their streams (their work, or the event that tells it
+    /// has completed, still to come).
+    pub pending: u64,
+    /// The background mapper's window.
+    pub window: u64,
+    /// Chunks mapped nowhere.
+    pub bare: u64,
+    /// The rest: chunks of plans in flight, quarantined for a stream, or mapped only by ranges
+    /// waiting for their unmap.
+    pub other: u64,
+}
+
+impl HeldAtPeak {
+    /// The parts, named, in bytes: they add up to `reserved`.
+    pub fn parts(&self) -> [(&'static str, u64); 8] {
+        [
+            ("requested", self.requested),
+            ("rounding", self.rounding),
+            ("arena_free", self.arena_free),
+            ("cached", self.cached),
+            ("pending", self.pending),
+            ("window", self.window),
+            ("bare", self.bare),
+            ("other", self.other),
+        ]
+    }
+}
+
 /// A snapshot of an allocator's statistics.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -126,6 +168,8 @@ pub struct Stats {
     pub deferred_errors: u64,
     /// Driver calls by kind.
     pub driver_calls: CallCounts,
+    /// Where held memory went at its peak (since creation or the last peak reset).
+    pub held_at_peak: HeldAtPeak,
 }
 
 impl Stats {
@@ -157,6 +201,7 @@ macro_rules! stat_fields {
             pub(crate) fn reset_accumulated(&mut self) {
                 let mut fresh = Stats::default();
                 $(fresh.$field = Stat { allocated: 0, freed: 0, ..self.$field };)*
+                fresh.held_at_peak = self.held_at_peak;
                 *self = fresh;
             }
         }

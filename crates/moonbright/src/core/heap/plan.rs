@@ -359,6 +359,8 @@ impl Heap {
 
     fn insert_chunk(&mut self, handle: ChunkHandle, pages: u64) -> ChunkId {
         self.stats.reserved_bytes.add(self.bytes(pages));
+        let reserved = &self.stats.reserved_bytes;
+        self.notes.held_peak_due |= reserved.current == reserved.peak;
         self.stats.chunks.add(1);
         self.pool.insert(handle, pages)
     }
