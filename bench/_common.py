@@ -1,4 +1,5 @@
-"""Helpers shared by the PyTorch benchmark scripts: percentiles as the Rust side computes them."""
+"""Helpers shared by the PyTorch benchmark scripts: percentiles as the Rust side computes them,
+the allocator under test, and the environment that picks it."""
 import math
 import os
 
@@ -23,3 +24,30 @@ def backend_label(torch):
         return "native+expandable_segments"
     return b
 
+
+
+def is_moonbright(name):
+    """Whether configuration `name` runs on MoonBright (`mb`, `mb[CONF]`, `mb@SITE`, ...)."""
+    return name.startswith("mb")
+
+
+def allocator_env(name, others=(), script="bench"):
+    """The environment (over the caller's; None: unset) of a process running configuration
+    `name`: `torch`, `torch-expandable` (`expandable_segments:True`), `torch-async`
+    (`backend:cudaMallocAsync`), `mb`, `mb[CONF]` (`MOONBRIGHT_ALLOC_CONF=CONF`), any of the
+    MoonBright ones with `@SITE` (that build's package first on `PYTHONPATH`), or one of
+    `others`, which set nothing here. An unknown name ends the program."""
+    env = {"PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None,
+           "MOONBRIGHT_ALLOC_CONF": None}
+    if is_moonbright(name) and "@" in name:
+        name, site = name.split("@", 1)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+    if name == "torch-expandable":
+        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    elif name == "torch-async":
+        env["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"
+    elif name.startswith("mb[") and name.endswith("]"):
+        env["MOONBRIGHT_ALLOC_CONF"] = name[3:-1]
+    elif name not in ("torch", "mb", *others):
+        raise SystemExit(f"{script}: unknown configuration {name!r}")
+    return env

@@ -53,6 +53,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import allocator_env, is_moonbright  # noqa: E402
+
 DEFAULT_CONFIGS = ["torch", "torch-expandable", "mb", "mb-pool"]
 WORKLOADS = ["resnet50", "gpt2", "llama", "resnet50-compile"]
 # Timed steps per turn and untimed steps before them, per workload.
@@ -70,25 +73,7 @@ _KEEP: list = []
 
 def config_env(name: str) -> dict[str, str | None]:
     """The environment a configuration's worker starts with, over ours (None: unset)."""
-    env: dict[str, str | None] = {
-        "PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None, "MOONBRIGHT_ALLOC_CONF": None
-    }
-    if is_moonbright(name) and "@" in name:
-        name, site = name.split("@", 1)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
-    if name == "torch-expandable":
-        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    elif name == "torch-async":
-        env["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    elif name.startswith("mb[") and name.endswith("]"):
-        env["MOONBRIGHT_ALLOC_CONF"] = name[3:-1]
-    elif name not in ("torch", "mb", "mb-pool", "null-pluggable"):
-        raise SystemExit(f"e2e: unknown configuration {name!r}")
-    return env
-
-
-def is_moonbright(name: str) -> bool:
-    return name.startswith("mb")
+    return allocator_env(name, ("mb-pool", "null-pluggable"), "e2e")
 
 
 # ---------------------------------------------------------------------------------------------

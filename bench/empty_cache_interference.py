@@ -30,7 +30,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import summary  # noqa: E402
+from _common import allocator_env, summary  # noqa: E402
 
 CONFIGS = ["torch", "torch-expandable", "torch-async", "mb"]
 MIB = 1 << 20
@@ -38,18 +38,13 @@ WARM_OPS = 16
 
 
 def config_env(name):
-    """The environment of a configuration's process, over ours."""
+    """The environment of a configuration's process: ours, with its allocator's settings."""
     env = dict(os.environ)
-    for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "MOONBRIGHT_ALLOC_CONF"):
-        env.pop(k, None)
-    if name == "torch-expandable":
-        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    elif name == "torch-async":
-        env["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"
-    elif name.startswith("mb[") and name.endswith("]"):
-        env["MOONBRIGHT_ALLOC_CONF"] = name[3:-1]
-    elif name not in ("torch", "mb"):
-        raise SystemExit(f"empty_cache_interference: unknown configuration {name!r}")
+    for k, v in allocator_env(name, (), "empty_cache_interference").items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
