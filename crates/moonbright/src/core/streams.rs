@@ -172,23 +172,18 @@ impl Streams {
     /// (stream, newest epoch, an event to record: a spare of the stream's, else one from the
     /// stock), with at most `cap` events in flight a stream (`StreamFrees::event_to_record`).
     pub fn needing_events(&mut self, cap: usize) -> Vec<(u64, u64, Option<EventHandle>)> {
-        let mut out = Vec::new();
-        for (&s, f) in self.by_stream.iter_mut() {
-            if f.needs_event() {
-                let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-                let ev = f.event_to_record(cap).or_else(|| self.stock.pop());
-                out.push((s, epoch, ev));
-            }
-        }
-        out
+        let stock = &mut self.stock;
+        let needing = self.by_stream.iter_mut().filter(|(_, f)| f.needs_event());
+        needing
+            .map(|(&s, f)| (s, f.newest_epoch_event(cap, stock)))
+            .map(|(s, (e, ev))| (s, e, ev))
+            .collect()
     }
 
     /// `needing_events` for `stream` alone.
     pub fn needing_event(&mut self, stream: u64, cap: usize) -> Option<(u64, Option<EventHandle>)> {
         let f = self.by_stream.get_mut(&stream).filter(|f| f.needs_event())?;
-        let epoch = f.newest_epoch().expect("a stream with frees has an epoch");
-        let ev = f.event_to_record(cap).or_else(|| self.stock.pop());
-        Some((epoch, ev))
+        Some(f.newest_epoch_event(cap, &mut self.stock))
     }
 
     /// Whether any stream has frees waiting.

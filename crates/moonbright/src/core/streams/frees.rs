@@ -272,11 +272,6 @@ impl StreamFrees {
         self.done
     }
 
-    /// The newest epoch handed out, if any free happened: an event recorded now covers it.
-    pub fn newest_epoch(&self) -> Option<u64> {
-        self.newest
-    }
-
     /// Whether nothing here is left to wait for: no pending free, no event listed, and every
     /// epoch handed out known complete (so nothing retired or quarantined waits for this
     /// stream). Such a stream can be forgotten.
@@ -345,6 +340,18 @@ impl StreamFrees {
             return self.events.pop_back().map(|(_, ev)| ev);
         }
         self.spare_events.pop()
+    }
+
+    /// The newest epoch handed out (an event recorded now covers it) and an event to record
+    /// for it (`event_to_record`, else one from `stock`), for a stream that needs one
+    /// (`needs_event`).
+    pub fn newest_epoch_event(
+        &mut self,
+        cap: usize,
+        stock: &mut Vec<EventHandle>,
+    ) -> (u64, Option<EventHandle>) {
+        let epoch = self.newest.expect("a stream with frees has an epoch");
+        (epoch, self.event_to_record(cap).or_else(|| stock.pop()))
     }
 
     /// Notes that `event`, recorded after the free of epoch `epoch`, covers every epoch up to it.
