@@ -10,7 +10,7 @@ use std::sync::Arc;
 use loom::thread;
 
 use crate::allocator::Allocator;
-use crate::config::Options;
+use crate::config::{Options, Profile};
 use crate::driver::{prelude::*, DevicePtr, StreamHandle};
 use crate::error::Result;
 
@@ -663,5 +663,28 @@ fn a_capture_announced_while_the_worker_records_a_deferred_event() {
         let p = a.malloc(2 * PAGE).unwrap();
         stamp(&a, p, 2 * PAGE, 1).unwrap();
         finish(&a, &[(p, 2 * PAGE, 1)]);
+    });
+}
+
+/// Under the memory profile with `deferred_free_events`, a request about to make new memory
+/// records the event its stream's free left (`Step::RecordOwnFrees`) while the worker's pass
+/// records and polls the same stream's events: one record covers the free, the request remaps
+/// the pending range's chunks instead of making new ones, and the free still completes.
+#[test]
+fn a_request_records_its_streams_deferred_event_beside_the_worker() {
+    model(|| {
+        let opts =
+            Options { deferred_free_events: true, captures_announced: true, ..options(8, 2, 0) };
+        let a = Arc::new(Allocator::new(opts.with_profile(Profile::Memory)).expect("host"));
+        let s = a.driver().create_stream().unwrap();
+        let x = a.malloc_async(4 * PAGE, s).unwrap();
+        a.free_async(x, s).unwrap();
+        let w = worker_passes(&a, 1);
+        // 3 pages: no exact fit; one of the pending range's chunks of 2 serves part of it.
+        let p = request(&a, 3 * PAGE, Some(s), 1).join().unwrap();
+        w.join().unwrap();
+        assert!(a.stats().reserved_bytes.peak <= (6 * PAGE) as u64, "pending chunks unused");
+        finish(&a, &[(p, 3 * PAGE, 1)]);
+        a.driver().destroy_stream(s).unwrap();
     });
 }
